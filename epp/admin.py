@@ -1,0 +1,151 @@
+"""The admin HTTP server (`--metrics-port`, 9090): /metrics, /healthz, /readyz, and
+with `--debug-endpoints` the read-only /debug/endpoints and /debug/explain."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from epp.datastore import Datastore, Endpoint
+from epp.director import Director
+from epp.errors import BadRequest, EppError
+from epp.requests import parse_request
+from epp.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+# Metrics older than this are reported stale (GIE's default).
+METRICS_STALENESS_S = 2.0
+
+EndpointDebugInfo = Callable[[Endpoint], dict[str, Any]]
+"""Extra per-endpoint facts for /debug/endpoints, from a source (e.g. `index`)."""
+
+
+class _ExplainRequest(msgspec.Struct, forbid_unknown_fields=True):
+    path: str
+    body: Any = None
+    headers: dict[str, str] = {}
+    method: str = "POST"
+
+
+_explain_decoder = msgspec.json.Decoder(_ExplainRequest)
+_json = msgspec.json.Encoder()
+
+
+def _json_response(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(data), status=status, content_type="application/json")
+
+
+def _error_response(error: EppError) -> web.Response:
+    return web.Response(body=error.body(), status=error.status, content_type="application/json")
+
+
+class AdminServer:
+    def __init__(
+        self,
+        datastore: Datastore,
+        director: Director,
+        telemetry: Telemetry,
+        is_ready: Callable[[], str | None],
+        debug_endpoints: bool = False,
+    ) -> None:
+        """`is_ready` returns None when ready, else why not."""
+        self.datastore = datastore
+        self.director = director
+        self.telemetry = telemetry
+        self.is_ready = is_ready
+        self.debug_info: list[EndpointDebugInfo] = []
+        self.app = web.Application()
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/readyz", self.readyz)
+        if debug_endpoints:
+            self.app.router.add_get("/debug/endpoints", self.endpoints)
+            self.app.router.add_post("/debug/explain", self.explain)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve on host:port (port 0: any free port); returns the bound port."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        return int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.telemetry.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        reason = self.is_ready()
+        if reason is None:
+            return web.Response(text="ready\n")
+        return web.Response(text=f"not ready: {reason}\n", status=503)
+
+    async def endpoints(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        out = []
+        for endpoint in self.datastore.all_endpoints():
+            metrics = endpoint.metrics
+            entry: dict[str, Any] = {
+                "name": endpoint.name,
+                "address": endpoint.address,
+                "ready": endpoint.ready,
+                "labels": dict(endpoint.labels),
+                "metrics": {
+                    "waiting": metrics.waiting_requests,
+                    "running": metrics.running_requests,
+                    "kvCacheUsage": metrics.kv_cache_usage,
+                    "stale": metrics.age(now) > METRICS_STALENESS_S,
+                },
+                "inFlight": endpoint.in_flight,
+            }
+            for provider in self.debug_info:
+                entry.update(provider(endpoint))
+            out.append(entry)
+        return _json_response(out)
+
+    async def explain(self, request: web.Request) -> web.Response:
+        try:
+            query = _explain_decoder.decode(await request.read())
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            return _error_response(
+                BadRequest(f'expected {{"path": ..., "headers": {{...}}, "body": {{...}}}}: {exc}')
+            )
+        if query.body is None:
+            body = b""
+        elif isinstance(query.body, str):
+            body = query.body.encode()
+        else:
+            body = _json.encode(query.body)
+        headers = {k.lower(): v for k, v in query.headers.items()}
+        try:
+            inference_request = parse_request(
+                request_id=headers.get("x-request-id", "explain"),
+                method=query.method,
+                path=query.path,
+                headers=headers,
+                body=body,
+            )
+            subset = headers.get("x-gateway-destination-endpoint-subset")
+            explanation = await self.director.explain(
+                inference_request,
+                [s.strip() for s in subset.split(",") if s.strip()] if subset is not None else None,
+            )
+        except EppError as error:
+            return _error_response(error)
+        return _json_response(explanation)

@@ -1,0 +1,161 @@
+"""The endpoint datastore: the pool's endpoints and what is known about each.
+
+Who may write what (the whole EPP runs on one asyncio event loop, so no locks):
+- endpoint sources (static file, Kubernetes) add, change and remove endpoints;
+- the metrics source replaces an endpoint's `metrics` snapshot;
+- the director counts in-flight requests (`acquire` at pick, `release` at the end).
+Plugins only read, and only during a pick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """Where an endpoint is and how to observe it; what endpoint sources produce."""
+
+    name: str
+    address: str  # ip:port, what Envoy connects to
+    metrics_url: str | None = None  # None: http://<address>/metrics
+    kv_events: str | None = None  # the engine's KV-event PUB socket, e.g. tcp://10.0.0.5:5557
+    kv_events_replay: str | None = None  # its replay ROUTER socket
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def effective_metrics_url(self) -> str:
+        return self.metrics_url or f"http://{self.address}/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMetrics:
+    """A snapshot of an endpoint's model-server metrics, replaced as a whole.
+
+    `updated_at` is `time.monotonic()` of the scrape (0.0: never scraped)."""
+
+    waiting_requests: int = 0
+    running_requests: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    max_adapters: int = 0
+    updated_at: float = 0.0
+
+    def age(self, now: float | None = None) -> float:
+        if self.updated_at == 0.0:
+            return float("inf")
+        return (time.monotonic() if now is None else now) - self.updated_at
+
+
+class Endpoint:
+    """One model-server endpoint. Compared and hashed by identity: a scorer's result
+    maps `Endpoint` objects to scores."""
+
+    __slots__ = ("in_flight", "metrics", "ready", "spec")
+
+    def __init__(self, spec: EndpointSpec) -> None:
+        self.spec = spec
+        self.metrics = EndpointMetrics()
+        self.ready = True
+        # Requests the EPP sent here that have not finished yet: fresher than any
+        # scraped queue length, so a burst between two scrapes is still seen.
+        self.in_flight = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self.spec.labels
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.spec.name!r}, {self.spec.address!r})"
+
+
+MembershipListener = Callable[[list[Endpoint], list[Endpoint]], None]
+"""Called with (added, removed) endpoints after every change of the endpoint set."""
+
+
+class Datastore:
+    def __init__(self) -> None:
+        self._by_name: dict[str, Endpoint] = {}
+        self._ready: tuple[Endpoint, ...] = ()
+        self._listeners: list[MembershipListener] = []
+        # True once an endpoint source delivered its first complete view of the pool:
+        # until then the EPP is not ready (an empty pool is not the same as unknown).
+        self.synced = False
+
+    # -- reads (plugins, the director, admin) --------------------------------
+
+    def ready_endpoints(self) -> tuple[Endpoint, ...]:
+        """The endpoints a request may be sent to, in a stable order."""
+        return self._ready
+
+    def all_endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(self._by_name.values())
+
+    def get(self, name: str) -> Endpoint | None:
+        return self._by_name.get(name)
+
+    def add_listener(self, listener: MembershipListener) -> None:
+        self._listeners.append(listener)
+
+    # -- writes (endpoint sources) ---------------------------------------------
+
+    def replace_all(self, specs: Iterable[EndpointSpec]) -> None:
+        """Make the endpoint set exactly `specs` (a source's full view of the pool).
+
+        Endpoints whose spec is unchanged keep their state (metrics, in-flight
+        counts); a changed spec (new address, say) is a new endpoint."""
+        wanted = {spec.name: spec for spec in specs}
+        added: list[Endpoint] = []
+        removed: list[Endpoint] = []
+        for name, endpoint in list(self._by_name.items()):
+            if wanted.get(name) != endpoint.spec:
+                removed.append(self._by_name.pop(name))
+        for name, spec in wanted.items():
+            if name not in self._by_name:
+                endpoint = Endpoint(spec)
+                self._by_name[name] = endpoint
+                added.append(endpoint)
+        self.synced = True
+        self._changed(added, removed)
+
+    def set_ready(self, name: str, ready: bool) -> None:
+        endpoint = self._by_name.get(name)
+        if endpoint is not None and endpoint.ready != ready:
+            endpoint.ready = ready
+            self._changed([], [])
+
+    # -- writes (metrics source) -----------------------------------------------
+
+    def set_metrics(self, name: str, metrics: EndpointMetrics) -> None:
+        endpoint = self._by_name.get(name)
+        if endpoint is not None:
+            endpoint.metrics = metrics
+
+    # -- writes (the director) ---------------------------------------------------
+
+    @staticmethod
+    def acquire(endpoint: Endpoint) -> None:
+        endpoint.in_flight += 1
+
+    @staticmethod
+    def release(endpoint: Endpoint) -> None:
+        # An endpoint removed meanwhile is still a valid object: the count simply
+        # dies with it.
+        endpoint.in_flight = max(0, endpoint.in_flight - 1)
+
+    def _changed(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        self._ready = tuple(e for e in self._by_name.values() if e.ready)
+        if added or removed:
+            for listener in self._listeners:
+                listener(added, removed)

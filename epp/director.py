@@ -1,0 +1,207 @@
+"""The director: from a parsed request to a routing decision, and back at its end.
+
+    pick_endpoint:  candidates -> data producers -> scheduler -> (side effects:
+                    in-flight count, pre-request plugins) -> Decision
+    finish:         in-flight count released, post-response plugins, metrics
+    explain:        the same pick, stopping before the side effects
+
+`explain` and `pick_endpoint` share `_schedule`, so /debug/explain shows exactly
+what a real pick would do on the same state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from epp.config import SchedulingConfig
+from epp.datastore import Datastore, Endpoint
+from epp.errors import NoCapacity, Unavailable
+from epp.requests import InferenceRequest, rewrite_model
+from epp.scheduling.types import CycleState, ProfileResult, ResponseInfo, SchedulingResult
+from epp.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Decision:
+    """A routed request, from its pick to its end."""
+
+    request: InferenceRequest
+    config: SchedulingConfig  # the configuration that picked it runs its end too
+    cycle: CycleState
+    result: SchedulingResult
+    destinations: str  # "ip:port[,ip:port...]", primary first
+    body: bytes  # what goes upstream: the request body, or its rewrite
+    picked_at: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.result.targets[0]
+
+    @property
+    def body_changed(self) -> bool:
+        return self.body is not self.request.body
+
+
+def _in_subset(endpoint: Endpoint, subset: frozenset[str]) -> bool:
+    if endpoint.address in subset:
+        return True
+    host = endpoint.address.rsplit(":", 1)[0]
+    return host in subset
+
+
+class Director:
+    def __init__(
+        self, datastore: Datastore, config: SchedulingConfig, telemetry: Telemetry
+    ) -> None:
+        self.datastore = datastore
+        # Replaced as a whole on reload; a request keeps the config that picked it.
+        self.config = config
+        self.telemetry = telemetry
+
+    def candidates(self, subset: Sequence[str] | None) -> tuple[Endpoint, ...]:
+        """Ready endpoints, restricted to Envoy's subset hint when it sent one."""
+        endpoints = self.datastore.ready_endpoints()
+        if subset is not None:
+            if not subset:
+                raise Unavailable("the proxy's endpoint subset hint is empty")
+            wanted = frozenset(subset)
+            endpoints = tuple(e for e in endpoints if _in_subset(e, wanted))
+            if not endpoints:
+                raise Unavailable(
+                    "no ready endpoint is in the proxy's endpoint subset hint"
+                    f" ({', '.join(sorted(wanted))})"
+                )
+        elif not endpoints:
+            raise Unavailable("no ready endpoint in the pool")
+        return endpoints
+
+    async def _schedule(
+        self,
+        config: SchedulingConfig,
+        request: InferenceRequest,
+        cycle: CycleState,
+        candidates: Sequence[Endpoint],
+    ) -> SchedulingResult:
+        started = time.perf_counter()
+        for slot in config.data_producers:
+            t0 = time.perf_counter()
+            try:
+                await slot.plugin.prepare(request, cycle, candidates)
+            except Exception:
+                # A producer feeds optional data: the pick goes on without it.
+                log.exception("data producer %s failed; scheduling without its data", slot.name)
+            slot.observe(time.perf_counter() - t0)
+        result = config.scheduler.schedule(request, cycle, candidates)
+        self.telemetry.scheduler_duration.observe(time.perf_counter() - started)
+        return result
+
+    async def pick_endpoint(
+        self, request: InferenceRequest, subset: Sequence[str] | None = None
+    ) -> Decision:
+        """Choose where `request` goes and account for it as in flight there.
+
+        Raises an `EppError` (503 nothing available, 429 everything filtered out)."""
+        config = self.config
+        candidates = self.candidates(subset)
+        cycle = CycleState()
+        result = await self._schedule(config, request, cycle, candidates)
+        targets = result.targets
+        if not targets:
+            raise NoCapacity(
+                _no_capacity_message(len(candidates), result.profiles[result.primary_profile])
+            )
+        # From here on the pick has effects: nothing may await until it is returned,
+        # so concurrent picks always see each other's in-flight counts.
+        primary = targets[0]
+        self.datastore.acquire(primary)
+        for slot in config.pre_request:
+            t0 = time.perf_counter()
+            try:
+                slot.plugin.pre_request(request, cycle, result)
+            except Exception:
+                log.exception("pre-request plugin %s failed", slot.name)
+            slot.observe(time.perf_counter() - t0)
+        body = (
+            rewrite_model(request.body, request.target_model)
+            if request.model_rewritten
+            else request.body
+        )
+        return Decision(
+            request=request,
+            config=config,
+            cycle=cycle,
+            result=result,
+            destinations=",".join(e.address for e in targets),
+            body=body,
+        )
+
+    def finish(self, decision: Decision, response: ResponseInfo) -> None:
+        """End a routed request. Idempotent: only the first call counts."""
+        if decision.finished:
+            return
+        decision.finished = True
+        primary = decision.endpoint
+        self.datastore.release(primary)
+        self.telemetry.responses.labels("completed" if response.completed else "aborted").inc()
+        usage = response.usage
+        if usage is not None:
+            self.telemetry.prompt_tokens.observe(usage.prompt_tokens)
+            self.telemetry.completion_tokens.observe(usage.completion_tokens)
+            self.telemetry.prompt_tokens_total.inc(usage.prompt_tokens)
+            self.telemetry.cached_prompt_tokens.inc(usage.cached_tokens)
+        for slot in decision.config.post_response:
+            t0 = time.perf_counter()
+            try:
+                slot.plugin.post_response(
+                    decision.request, decision.cycle, decision.result, response
+                )
+            except Exception:
+                log.exception("post-response plugin %s failed", slot.name)
+            slot.observe(time.perf_counter() - t0)
+
+    async def explain(
+        self, request: InferenceRequest, subset: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """What `pick_endpoint` would decide now, with every score, changing nothing."""
+        config = self.config
+        candidates = self.candidates(subset)
+        result = await self._schedule(config, request, CycleState(), candidates)
+        primary = result.profiles[result.primary_profile]
+        out = _explain_profile(primary)
+        if not primary.targets:
+            out["error"] = _no_capacity_message(len(candidates), primary)
+        return out
+
+
+def _no_capacity_message(candidates: int, result: ProfileResult) -> str:
+    if not result.filtered_out:
+        return f"the picker chose none of the {candidates} candidate endpoints"
+    removed = "; ".join(f"{name} removed {len(e)}" for name, e in result.filtered_out.items())
+    return f"all {candidates} candidate endpoints were filtered out ({removed})"
+
+
+def _explain_profile(result: ProfileResult) -> dict[str, Any]:
+    candidates = [
+        {
+            "name": s.endpoint.name,
+            "address": s.endpoint.address,
+            "scores": {name: scores[s.endpoint] for name, scores in result.scores.items()},
+            "total": s.score,
+        }
+        for s in sorted(result.scored, key=lambda s: s.score, reverse=True)
+    ]
+    return {
+        "profile": result.profile,
+        "candidates": candidates,
+        "filteredOut": {
+            name: [e.name for e in removed] for name, removed in result.filtered_out.items()
+        },
+        "picked": [e.address for e in result.targets],
+    }

@@ -1,0 +1,336 @@
+"""One ext_proc stream = one HTTP request through Envoy: an explicit state machine.
+
+    REQUEST_HEADERS --headers--> REQUEST_BODY --body end--> RESPONSE_HEADERS
+          |  (header-only request: routed at once)                |
+          +-------------------------------------------------------+
+    RESPONSE_HEADERS --headers--> RESPONSE_BODY --body end / trailers--> DONE
+    any state --EPP answers the client itself (error)--> DONE
+
+FULL_DUPLEX_STREAMED (GIE's mode): nothing is answered until the request body has
+ended; then come the request-headers reply carrying the decision and the body,
+handed back unchanged in chunks. BUFFERED bodies: the headers are answered at
+once and the decision rides on the body reply. Response headers and body pass
+through untouched while usage is read on the way.
+
+`handle` never raises: an `EppError` becomes an ImmediateResponse with its status,
+any other exception a 500 (and a log line with the traceback).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from epp.director import Decision, Director
+from epp.errors import EppError, InternalError, PayloadTooLarge
+from epp.extproc import messages as m
+from epp.extproc.usage import UsageReader
+from epp.logs import VERBOSE, request_id_var
+from epp.requests import CONTROL_HEADERS, InferenceRequest, parse_request
+from epp.scheduling.types import ResponseInfo
+from epp.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class Phase(enum.Enum):
+    REQUEST_HEADERS = "request_headers"  # waiting for the request headers
+    REQUEST_BODY = "request_body"  # buffering the request body
+    RESPONSE_HEADERS = "response_headers"  # routed; waiting for the response
+    RESPONSE_BODY = "response_body"  # passing the response body through
+    DONE = "done"  # the response ended, or the EPP answered the client itself
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_prompts: bool = False
+
+
+Replies = list[pb.ProcessingResponse]
+_NO_REPLY: Replies = []
+
+
+class RequestStream:
+    def __init__(self, director: Director, settings: StreamSettings, telemetry: Telemetry) -> None:
+        self.director = director
+        self.settings = settings
+        self.telemetry = telemetry
+        self.phase = Phase.REQUEST_HEADERS
+        # Body modes: from the first message's protocol_config; GIE's mode otherwise.
+        self.request_body_mode: int = m.FULL_DUPLEX_STREAMED
+        self.response_body_mode: int = m.FULL_DUPLEX_STREAMED
+        self.headers: dict[str, str] = {}
+        self.request_id = ""
+        self.generated_request_id = False
+        self.subset: list[str] | None = None
+        self.body = bytearray()
+        self.decision: Decision | None = None
+        self.usage: UsageReader | None = None
+        self.status: int | None = None
+        self.body_ended_at = 0.0
+
+    # -- entry points --------------------------------------------------------
+
+    async def handle(self, message: pb.ProcessingRequest) -> Replies:
+        """The replies to one message from Envoy, in the order to send them."""
+        kind = message.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                return await self._request_headers(message)
+            if kind == "request_body":
+                return await self._request_body(message.request_body)
+            if kind == "request_trailers":
+                return await self._request_trailers()
+            if kind == "response_headers":
+                return self._response_headers(message.response_headers)
+            if kind == "response_body":
+                return self._response_body(message.response_body)
+            if kind == "response_trailers":
+                return self._response_trailers()
+            self._protocol_error(f"message without a known phase ({kind})")
+            return _NO_REPLY
+        except EppError as error:
+            return self._reject(error)
+        except Exception:
+            log.exception("internal error while handling %s", kind)
+            self.telemetry.stream_errors.labels("internal").inc()
+            if self.phase in (Phase.REQUEST_HEADERS, Phase.REQUEST_BODY):
+                return self._reject(
+                    InternalError(
+                        f"internal error in the endpoint picker (request id {self.request_id})"
+                    )
+                )
+            # The request already went upstream: let the response through untouched.
+            return self._pass_through(message)
+
+    def close(self) -> None:
+        """The stream ended, normally or not. A request still open is aborted."""
+        if self.decision is not None and self.phase is not Phase.DONE:
+            self._finish(completed=False)
+        elif self.phase in (Phase.REQUEST_HEADERS, Phase.REQUEST_BODY) and self.headers:
+            self.telemetry.requests.labels("abandoned").inc()
+        self.phase = Phase.DONE
+
+    # -- request phase ---------------------------------------------------------
+
+    async def _request_headers(self, message: pb.ProcessingRequest) -> Replies:
+        if self.phase is not Phase.REQUEST_HEADERS:
+            self._protocol_error("request headers twice")
+            return [m.CONTINUE_REQUEST_HEADERS]
+        if message.HasField("protocol_config"):
+            config = message.protocol_config
+            self.request_body_mode = config.request_body_mode
+            self.response_body_mode = config.response_body_mode
+        self.headers = m.header_dict(message.request_headers.headers)
+        request_id = self.headers.get("x-request-id")
+        if not request_id:
+            request_id = uuid.uuid4().hex
+            self.generated_request_id = True
+        self.request_id = request_id
+        request_id_var.set(request_id)
+        self.subset = m.subset_hint(message)
+
+        if message.request_headers.end_of_stream or self.request_body_mode in (m.NONE, m.STREAMED):
+            # No body is coming to this EPP (a GET, or a body mode it cannot wait
+            # for): route on the headers alone.
+            if self.request_body_mode == m.STREAMED:
+                log.debug("request body mode STREAMED: routing on headers only")
+            self.body_ended_at = time.perf_counter()
+            decision = await self._route(b"")
+            return [self._headers_decision(decision)]
+        self.phase = Phase.REQUEST_BODY
+        if self.request_body_mode in (m.BUFFERED, m.BUFFERED_PARTIAL):
+            # Envoy waits for this reply before it sends the buffered body.
+            return [m.CONTINUE_REQUEST_HEADERS]
+        return _NO_REPLY
+
+    async def _request_body(self, body: pb.HttpBody) -> Replies:
+        if self.phase is not Phase.REQUEST_BODY:
+            self._protocol_error(f"request body in phase {self.phase.value}")
+            return self._echo("request_body", body.body, body.end_of_stream)
+        self.body += body.body
+        if len(self.body) > self.settings.max_body_bytes:
+            raise PayloadTooLarge(
+                f"the request body is over the endpoint picker's limit of"
+                f" {self.settings.max_body_bytes} bytes"
+            )
+        buffered = self.request_body_mode in (m.BUFFERED, m.BUFFERED_PARTIAL)
+        if buffered and not body.end_of_stream:
+            # BUFFERED_PARTIAL sent only what fit in Envoy's buffer: the rest goes
+            # upstream without passing here, so the body cannot be read whole.
+            raise PayloadTooLarge("the request body is larger than the proxy's buffer limit")
+        if not body.end_of_stream:
+            return _NO_REPLY
+        return await self._body_complete(trailers_follow=False)
+
+    async def _request_trailers(self) -> Replies:
+        if self.phase is not Phase.REQUEST_BODY:
+            self._protocol_error(f"request trailers in phase {self.phase.value}")
+            return [m.CONTINUE_REQUEST_TRAILERS]
+        # Trailers end the request: the body is complete.
+        replies = await self._body_complete(trailers_follow=True)
+        replies.append(m.CONTINUE_REQUEST_TRAILERS)
+        return replies
+
+    async def _body_complete(self, trailers_follow: bool) -> Replies:
+        self.body_ended_at = time.perf_counter()
+        body = bytes(self.body)
+        self.body.clear()
+        decision = await self._route(body)
+        if self.request_body_mode in (m.BUFFERED, m.BUFFERED_PARTIAL):
+            changed = decision.body_changed
+            return [
+                m.request_body_decision(
+                    decision.destinations,
+                    self._headers_to_remove(),
+                    self._headers_to_set(decision, len(decision.body) if changed else None),
+                    decision.body if changed else None,
+                )
+            ]
+        return [
+            self._headers_decision(decision),
+            *m.streamed_body("request_body", decision.body, end_of_stream=not trailers_follow),
+        ]
+
+    async def _route(self, body: bytes) -> Decision:
+        request = parse_request(
+            request_id=self.request_id,
+            method=self.headers.get(":method", ""),
+            path=self.headers.get(":path", ""),
+            headers=self.headers,
+            body=body,
+        )
+        decision = await self.director.pick_endpoint(request, self.subset)
+        self.decision = decision
+        self.phase = Phase.RESPONSE_HEADERS
+        self.telemetry.requests.labels("routed").inc()
+        self.telemetry.request_processing_duration.observe(time.perf_counter() - self.body_ended_at)
+        self._log_decision(request, decision)
+        return decision
+
+    def _headers_decision(self, decision: Decision) -> pb.ProcessingResponse:
+        return m.request_headers_decision(
+            decision.destinations,
+            self._headers_to_remove(decision.body_changed),
+            self._headers_to_set(decision, None),
+        )
+
+    def _headers_to_remove(self, body_changed: bool = False) -> list[str]:
+        remove: list[str] = [h for h in CONTROL_HEADERS if h in self.headers]
+        if body_changed and "content-length" in self.headers:
+            remove.append("content-length")
+        return remove
+
+    def _headers_to_set(
+        self, decision: Decision, content_length: int | None
+    ) -> list[tuple[str, str]]:
+        out = []
+        if self.generated_request_id:
+            out.append(("x-request-id", self.request_id))
+        if content_length is not None:
+            out.append(("content-length", str(content_length)))
+        return out
+
+    def _log_decision(self, request: InferenceRequest, decision: Decision) -> None:
+        if not log.isEnabledFor(VERBOSE):
+            return
+        extra: dict[str, object] = {
+            "path": request.path,
+            "model": request.model,
+            "endpoint": decision.endpoint.name,
+            "destinations": decision.destinations,
+        }
+        if self.settings.log_prompts and request.prompt is not None:
+            extra["prompt"] = repr(request.prompt)
+        log.log(VERBOSE, "routed", extra=extra)
+
+    def _reject(self, error: EppError) -> Replies:
+        self.telemetry.requests.labels(error.outcome).inc()
+        if self.decision is not None:
+            self._finish(completed=False)
+        self.phase = Phase.DONE
+        log.info("request rejected with %d: %s", error.status, error.message)
+        return [m.immediate_response(error)]
+
+    # -- response phase ----------------------------------------------------------
+
+    def _response_headers(self, headers: pb.HttpHeaders) -> Replies:
+        if self.phase is not Phase.RESPONSE_HEADERS:
+            self._protocol_error(f"response headers in phase {self.phase.value}")
+            return [m.CONTINUE_RESPONSE_HEADERS]
+        values = m.header_dict(headers.headers)
+        try:
+            self.status = int(values.get(":status", ""))
+        except ValueError:
+            self.status = None
+        content_type = values.get("content-type", "")
+        self.usage = UsageReader(event_stream="text/event-stream" in content_type)
+        if headers.end_of_stream:
+            self._finish(completed=True)
+        else:
+            self.phase = Phase.RESPONSE_BODY
+        return [m.CONTINUE_RESPONSE_HEADERS]
+
+    def _response_body(self, body: pb.HttpBody) -> Replies:
+        if self.phase is not Phase.RESPONSE_BODY:
+            self._protocol_error(f"response body in phase {self.phase.value}")
+            return self._echo("response_body", body.body, body.end_of_stream)
+        assert self.usage is not None
+        self.usage.feed(body.body)
+        if body.end_of_stream:
+            self._finish(completed=True)
+        return self._echo("response_body", body.body, body.end_of_stream)
+
+    def _response_trailers(self) -> Replies:
+        if self.phase in (Phase.RESPONSE_HEADERS, Phase.RESPONSE_BODY):
+            self._finish(completed=True)
+        return [m.CONTINUE_RESPONSE_TRAILERS]
+
+    def _finish(self, completed: bool) -> None:
+        decision = self.decision
+        self.phase = Phase.DONE
+        if decision is None or decision.finished:
+            return
+        usage = self.usage.finish() if self.usage is not None else None
+        self.director.finish(
+            decision,
+            ResponseInfo(
+                completed=completed,
+                status=self.status,
+                usage=usage,
+                duration_s=time.monotonic() - decision.picked_at,
+            ),
+        )
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _echo(self, field: str, body: bytes, end_of_stream: bool) -> Replies:
+        """Hand a body chunk back unchanged, as the body mode wants it."""
+        mode = self.request_body_mode if field == "request_body" else self.response_body_mode
+        if mode == m.FULL_DUPLEX_STREAMED:
+            return m.streamed_body(field, body, end_of_stream)
+        return [m.CONTINUE_REQUEST_BODY if field == "request_body" else m.CONTINUE_RESPONSE_BODY]
+
+    def _pass_through(self, message: pb.ProcessingRequest) -> Replies:
+        kind = message.WhichOneof("request")
+        if kind == "response_headers":
+            return [m.CONTINUE_RESPONSE_HEADERS]
+        if kind in ("request_body", "response_body"):
+            body = getattr(message, kind)
+            return self._echo(kind, body.body, body.end_of_stream)
+        if kind == "response_trailers":
+            return [m.CONTINUE_RESPONSE_TRAILERS]
+        if kind == "request_trailers":
+            return [m.CONTINUE_REQUEST_TRAILERS]
+        return [m.CONTINUE_REQUEST_HEADERS]
+
+    def _protocol_error(self, what: str) -> None:
+        self.telemetry.stream_errors.labels("protocol").inc()
+        log.warning("ext_proc protocol violation by the proxy: %s", what)

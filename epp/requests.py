@@ -1,0 +1,377 @@
+"""Parse an HTTP request once into the immutable `InferenceRequest` that plugins read.
+
+The body is decoded a single time, straight into typed structs (msgspec), and the
+original bytes are kept: an unchanged body goes back to Envoy as received, never
+re-serialised. Supported APIs, chosen by the request path:
+
+| path suffix            | prompt field                                          |
+|------------------------|-------------------------------------------------------|
+| `/v1/completions`      | `prompt`: string, strings, token ids, token-id lists  |
+| `/v1/chat/completions` | `messages`: string or content-part content            |
+| `/v1/responses`        | `input` (string or items), `instructions`             |
+| `/v1/embeddings`       | `input`: like `prompt`                                |
+
+Any other path is routed without a prompt (its `model` is read if the body is a JSON
+object), so health checks, `/v1/models` and engine-specific endpoints pass through.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final
+
+import msgspec
+
+from epp.errors import BadRequest
+
+# Request control headers (GIE's names). They steer the EPP and are removed before
+# the request goes upstream.
+MODEL_REWRITE_HEADER: Final = "x-gateway-model-name-rewrite"
+OBJECTIVE_HEADER: Final = "x-gateway-inference-objective"
+FAIRNESS_ID_HEADER: Final = "x-gateway-inference-fairness-id"
+CONTROL_HEADERS: Final = (MODEL_REWRITE_HEADER, OBJECTIVE_HEADER, FAIRNESS_ID_HEADER)
+
+
+class Api(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT_COMPLETIONS = "chat_completions"
+    RESPONSES = "responses"
+    EMBEDDINGS = "embeddings"
+    OTHER = "other"
+
+
+# Longest suffix first: "/chat/completions" also ends with "/completions".
+_API_BY_SUFFIX: Final = (
+    ("/chat/completions", Api.CHAT_COMPLETIONS),
+    ("/completions", Api.COMPLETIONS),
+    ("/responses", Api.RESPONSES),
+    ("/embeddings", Api.EMBEDDINGS),
+)
+
+
+def api_for_path(path: str) -> Api:
+    """The API a request path names; the query string is ignored."""
+    path = path.split("?", 1)[0].rstrip("/")
+    for suffix, api in _API_BY_SUFFIX:
+        if path.endswith(suffix):
+            return api
+    return Api.OTHER
+
+
+# ---------------------------------------------------------------------------
+# Prompt shapes handed to plugins.
+
+
+@dataclass(frozen=True, slots=True)
+class ContentPart:
+    """One part of a message's content. `text` for text parts; for any other part
+    (image, audio, file, ...) `data` is its exact JSON, which identifies it."""
+
+    type: str
+    text: str | None = None
+    data: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A chat message, or an item of a Responses API `input` list."""
+
+    role: str | None
+    content: str | tuple[ContentPart, ...] | None
+    # Everything else about the message (tool calls, names, item type...) as exact JSON,
+    # for plugins that need it, e.g. to render a chat template.
+    extra: bytes | None = None
+
+    def text(self) -> str:
+        """The message's text parts joined, without non-text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionPrompt:
+    """`/v1/completions` `prompt` or `/v1/embeddings` `input`: one or more prompts,
+    each a string or a list of token ids (a list of several is a batch)."""
+
+    prompts: tuple[str | tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """`/v1/chat/completions` messages, and the request fields a chat template reads."""
+
+    messages: tuple[Message, ...]
+    tools: bytes | None = None  # exact JSON of `tools`
+    chat_template_kwargs: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesPrompt:
+    """`/v1/responses`: `instructions` and `input` (a string or a list of items)."""
+
+    instructions: str | None
+    input: str | tuple[Message, ...]
+
+
+Prompt = CompletionPrompt | ChatPrompt | ResponsesPrompt
+
+
+# ---------------------------------------------------------------------------
+# The request object.
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One HTTP request as plugins see it. Immutable; built once per request."""
+
+    request_id: str
+    path: str
+    method: str
+    api: Api
+    # The model the client asked for ("" when the request has none, e.g. GET /v1/models).
+    # It may name a base model or a LoRA adapter: LoRA-aware plugins compare it with
+    # the adapters each endpoint reports.
+    model: str = ""
+    # The model the request is served as: `model`, or the value of the
+    # x-gateway-model-name-rewrite header (the body is rewritten to match).
+    target_model: str = ""
+    stream: bool = False
+    cache_salt: str | None = None
+    prompt: Prompt | None = None
+    # Lower-cased header names; control headers included (they are removed upstream).
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    objective: str | None = None
+    fairness_id: str | None = None
+
+    @property
+    def model_rewritten(self) -> bool:
+        return self.target_model != self.model
+
+
+# ---------------------------------------------------------------------------
+# Wire structs: only the fields the EPP reads. Unknown fields are ignored.
+
+
+class _Part(msgspec.Struct, frozen=True):
+    type: str = "text"
+    text: str | None = None
+
+
+class _Message(msgspec.Struct, frozen=True):
+    role: str | None = None
+    content: str | list[msgspec.Raw] | None = None
+    type: str | None = None
+
+
+class _Common(msgspec.Struct, frozen=True):
+    model: str | None = None
+    stream: bool | None = False
+    cache_salt: str | None = None
+
+
+class _CompletionBody(_Common, frozen=True):
+    # msgspec allows one array type per union, so element types are checked below.
+    prompt: str | list[str | int | list[int]] | None = None
+
+
+class _EmbeddingsBody(_Common, frozen=True):
+    input: str | list[str | int | list[int]] | None = None
+
+
+class _ChatBody(_Common, frozen=True):
+    messages: list[msgspec.Raw] | None = None
+    tools: msgspec.Raw | None = None
+    chat_template_kwargs: msgspec.Raw | None = None
+
+
+class _ResponsesBody(_Common, frozen=True):
+    input: str | list[msgspec.Raw] | None = None
+    instructions: str | None = None
+
+
+class _AnyBody(msgspec.Struct, frozen=True):
+    model: str | None = None
+
+
+_decoders: Final[dict[Api, msgspec.json.Decoder[Any]]] = {
+    Api.COMPLETIONS: msgspec.json.Decoder(_CompletionBody),
+    Api.EMBEDDINGS: msgspec.json.Decoder(_EmbeddingsBody),
+    Api.CHAT_COMPLETIONS: msgspec.json.Decoder(_ChatBody),
+    Api.RESPONSES: msgspec.json.Decoder(_ResponsesBody),
+}
+_message_decoder: Final = msgspec.json.Decoder(_Message)
+_part_decoder: Final = msgspec.json.Decoder(_Part)
+_any_decoder: Final = msgspec.json.Decoder(_AnyBody)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return "the body is not valid UTF-8"
+    text = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        # msgspec names the body `$`; say "body" so the message reads on its own.
+        return text.replace("`$.", "`body.").replace("`$`", "`body`")
+    return f"the body is not valid JSON ({text})"
+
+
+def _decode_message(raw: msgspec.Raw, where: str) -> Message:
+    try:
+        wire = _message_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"invalid {where}: {_describe(exc)}") from None
+    content: str | tuple[ContentPart, ...] | None
+    if isinstance(wire.content, list):
+        parts = []
+        for i, raw_part in enumerate(wire.content):
+            try:
+                part = _part_decoder.decode(raw_part)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise BadRequest(f"invalid {where}.content[{i}]: {_describe(exc)}") from None
+            if part.text is not None:
+                parts.append(ContentPart(type=part.type, text=part.text))
+            else:
+                parts.append(ContentPart(type=part.type, data=bytes(raw_part)))
+        content = tuple(parts)
+    else:
+        content = wire.content
+    return Message(role=wire.role, content=content, extra=bytes(raw))
+
+
+def _prompt_list(
+    value: str | list[str | int | list[int]] | None, field_name: str
+) -> CompletionPrompt:
+    if value is None:
+        raise BadRequest(f"the request body has no `{field_name}`")
+    if isinstance(value, str):
+        return CompletionPrompt((value,))
+    if not value:
+        raise BadRequest(f"`{field_name}` is an empty list")
+    first = value[0]
+    if isinstance(first, int):
+        if not all(type(t) is int for t in value):
+            raise BadRequest(f"`{field_name}` mixes token ids with other values")
+        return CompletionPrompt((tuple(value),))  # type: ignore[arg-type]
+    kind = type(first)
+    if not all(type(item) is kind for item in value):
+        raise BadRequest(f"`{field_name}` mixes strings and token-id lists")
+    if kind is str:
+        return CompletionPrompt(tuple(value))  # type: ignore[arg-type]
+    for i, ids in enumerate(value):
+        if not ids:
+            raise BadRequest(f"`{field_name}[{i}]` is an empty token-id list")
+    return CompletionPrompt(tuple(tuple(ids) for ids in value))  # type: ignore[arg-type]
+
+
+def _parse_prompt(api: Api, wire: _Common) -> Prompt:
+    if isinstance(wire, _CompletionBody):
+        return _prompt_list(wire.prompt, "prompt")
+    if isinstance(wire, _EmbeddingsBody):
+        return _prompt_list(wire.input, "input")
+    if isinstance(wire, _ChatBody):
+        if not wire.messages:
+            raise BadRequest("`messages` must be a non-empty list")
+        messages = tuple(
+            _decode_message(raw, f"messages[{i}]") for i, raw in enumerate(wire.messages)
+        )
+        return ChatPrompt(
+            messages=messages,
+            tools=bytes(wire.tools) if wire.tools is not None else None,
+            chat_template_kwargs=(
+                bytes(wire.chat_template_kwargs) if wire.chat_template_kwargs is not None else None
+            ),
+        )
+    assert isinstance(wire, _ResponsesBody), api
+    if wire.input is None or (isinstance(wire.input, list) and not wire.input):
+        raise BadRequest("the request body has no `input`")
+    items: str | tuple[Message, ...]
+    if isinstance(wire.input, str):
+        items = wire.input
+    else:
+        items = tuple(_decode_message(raw, f"input[{i}]") for i, raw in enumerate(wire.input))
+    return ResponsesPrompt(instructions=wire.instructions, input=items)
+
+
+def _is_json_content_type(content_type: str | None) -> bool:
+    if not content_type:
+        return True  # like vLLM (FastAPI): a missing content type is read as JSON
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def parse_request(
+    *,
+    request_id: str,
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+) -> InferenceRequest:
+    """Build the `InferenceRequest` for one HTTP request, or raise `BadRequest`.
+
+    `headers` must have lower-case names. An empty body on a non-API path (GET
+    /v1/models, health checks) is valid and routes without a model.
+    """
+    api = api_for_path(path)
+    rewrite = headers.get(MODEL_REWRITE_HEADER) or None
+
+    def build(
+        model: str = "", stream: bool = False, salt: str | None = None, prompt: Prompt | None = None
+    ) -> InferenceRequest:
+        return InferenceRequest(
+            request_id=request_id,
+            path=path,
+            method=method,
+            api=api,
+            model=model,
+            target_model=(rewrite or model) if model else "",
+            stream=stream,
+            cache_salt=salt,
+            prompt=prompt,
+            headers=MappingProxyType(dict(headers)),
+            body=body,
+            objective=headers.get(OBJECTIVE_HEADER),
+            fairness_id=headers.get(FAIRNESS_ID_HEADER),
+        )
+
+    if api is Api.OTHER:
+        model = ""
+        if body and _is_json_content_type(headers.get("content-type")):
+            try:
+                model = _any_decoder.decode(body).model or ""
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+                model = ""  # not ours to judge: the upstream answers it
+        return build(model)
+
+    if not body:
+        raise BadRequest(f"{path} needs a JSON request body")
+    content_type = headers.get("content-type")
+    if not _is_json_content_type(content_type):
+        raise BadRequest(f"unsupported content type {content_type!r}: send application/json")
+    try:
+        wire: _Common = _decoders[api].decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        raise BadRequest(_describe(exc)) from None
+    if not wire.model:
+        raise BadRequest("the request body has no `model`")
+    return build(wire.model, bool(wire.stream), wire.cache_salt, _parse_prompt(api, wire))
+
+
+_generic_decoder: Final = msgspec.json.Decoder()
+_generic_encoder: Final = msgspec.json.Encoder()
+
+
+def rewrite_model(body: bytes, model: str) -> bytes:
+    """The body with its `model` replaced. Only called when a rewrite is asked for:
+    an unchanged body is never re-serialised. Key order is preserved."""
+    document = _generic_decoder.decode(body)
+    if not isinstance(document, dict):
+        raise BadRequest("cannot rewrite the model of a body that is not a JSON object")
+    document["model"] = model
+    return _generic_encoder.encode(document)

@@ -1,0 +1,49 @@
+"""The scheduling framework: what a plugin author imports.
+
+from epp.scheduling import Scorer, CycleState, PluginContext, ...
+"""
+
+from epp.datastore import Endpoint, EndpointMetrics
+from epp.requests import InferenceRequest
+from epp.scheduling.interfaces import (
+    DataProducer,
+    Filter,
+    NoParameters,
+    Picker,
+    PluginContext,
+    PostResponse,
+    PreRequest,
+    ProfileHandler,
+    Scorer,
+)
+from epp.scheduling.types import (
+    CycleState,
+    ProfileResult,
+    ResponseInfo,
+    SchedulingResult,
+    ScoredEndpoint,
+    StateKey,
+    Usage,
+)
+
+__all__ = [
+    "CycleState",
+    "DataProducer",
+    "Endpoint",
+    "EndpointMetrics",
+    "Filter",
+    "InferenceRequest",
+    "NoParameters",
+    "Picker",
+    "PluginContext",
+    "PostResponse",
+    "PreRequest",
+    "ProfileHandler",
+    "ProfileResult",
+    "ResponseInfo",
+    "SchedulingResult",
+    "ScoredEndpoint",
+    "Scorer",
+    "StateKey",
+    "Usage",
+]

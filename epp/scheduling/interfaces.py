@@ -1,0 +1,170 @@
+"""The plugin interfaces: the whole extension API of the EPP.
+
+A plugin is a class. The framework builds it once, at start-up, as
+
+    PluginClass(parameters, context)
+
+where `parameters` is an instance of the class's `Parameters` struct (a
+`msgspec.Struct`, decoded strictly from the config file's `parameters:`; a class
+without one takes no parameters and gets `NoParameters()`), and `context` is a
+`PluginContext`. The class then implements one or more of the protocols below; a
+plugin implementing several (a scorer that is also a pre-request hook, say) is
+called at each of its extension points.
+
+Rules every plugin follows:
+- Plugins *read* the datastore and endpoint state; they never change it. Only
+  sources write the datastore, and only the director counts in-flight requests.
+- `filter`, `score`, `pick`, `pre_request` and `post_response` run on the event loop
+  of every request: they must be quick and must not block. Slow work (tokenizing,
+  I/O) goes in `DataProducer.prepare`, which is async, or in background tasks.
+- `/debug/explain` runs data producers, filters, scorers and pickers exactly as a
+  real pick does, but never `pre_request` or `post_response`. So anything a pick
+  must change (a speculative index entry, a session table) belongs in `pre_request`,
+  and the first four must be free of side effects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from epp.datastore import Datastore, Endpoint
+from epp.requests import InferenceRequest
+from epp.scheduling.types import (
+    CycleState,
+    ProfileResult,
+    ResponseInfo,
+    SchedulingResult,
+    ScoredEndpoint,
+)
+
+
+class NoParameters(msgspec.Struct, forbid_unknown_fields=True):
+    """The parameters of a plugin that takes none."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginContext:
+    """What a plugin receives when it is built."""
+
+    name: str  # its name in the config (defaults to its type)
+    type_name: str  # its type, as written in the config
+    datastore: Datastore  # read-only for plugins
+    metrics: CollectorRegistry  # register the plugin's own Prometheus metrics here
+    plugins: Mapping[str, object]  # plugins built before this one, by name
+
+
+@runtime_checkable
+class DataProducer(Protocol):
+    """Prepares data for the other plugins of a request, before any filter runs
+    (tokenizing the prompt, looking it up in an index). Its results go into the
+    `CycleState`. Errors are logged and the pick goes on without the data."""
+
+    async def prepare(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> None: ...
+
+
+@runtime_checkable
+class Filter(Protocol):
+    """Keeps the endpoints that may serve the request, in their original order.
+    Returning no endpoint ends the pick with a 429 (every endpoint ruled out)."""
+
+    def filter(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> Sequence[Endpoint]: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores each endpoint for this request: higher is better.
+
+    Returns a score in [0, 1] per endpoint (values outside are clamped, NaN counts as
+    0, a missing endpoint scores 0). A profile combines its scorers as
+    `sum(weight * score) / sum(weight)`, so each scorer normalises its own signal:
+    1 for the best possible endpoint, not merely the best of this set, where that
+    can be told apart."""
+
+    def score(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> Mapping[Endpoint, float]: ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    """Chooses the endpoints the request goes to from the scored survivors.
+    Returns them primary first, then the fallbacks Envoy may retry on; an empty
+    sequence means none could be picked (429)."""
+
+    def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]: ...
+
+
+@runtime_checkable
+class ProfileHandler(Protocol):
+    """Decides which scheduling profiles run, and how their results combine.
+
+    `select_profiles` is called repeatedly with the results so far; it returns the
+    names of the profiles to run next, or nothing when done. `process_results` then
+    names the primary profile, whose targets are where the request goes.
+    `check_profiles` runs once at start-up with the configured profile names and
+    raises `ValueError` if the handler cannot work with them."""
+
+    def check_profiles(self, profiles: Sequence[str]) -> None: ...
+
+    def select_profiles(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        profiles: Sequence[str],
+        results: Mapping[str, ProfileResult],
+    ) -> Sequence[str]: ...
+
+    def process_results(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        results: Mapping[str, ProfileResult],
+    ) -> SchedulingResult: ...
+
+
+@runtime_checkable
+class PreRequest(Protocol):
+    """Runs once the request's endpoint is chosen, before it is sent there."""
+
+    def pre_request(
+        self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
+    ) -> None: ...
+
+
+@runtime_checkable
+class PostResponse(Protocol):
+    """Runs once per routed request when it ends: its response complete, or the
+    request aborted (`response.completed` is False)."""
+
+    def post_response(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        response: ResponseInfo,
+    ) -> None: ...
+
+
+EXTENSION_POINTS: tuple[tuple[str, type], ...] = (
+    ("data_producer", DataProducer),
+    ("filter", Filter),
+    ("scorer", Scorer),
+    ("picker", Picker),
+    ("profile_handler", ProfileHandler),
+    ("pre_request", PreRequest),
+    ("post_response", PostResponse),
+)
+
+
+def extension_points(plugin: object) -> list[str]:
+    """The extension points a plugin object implements."""
+    return [name for name, protocol in EXTENSION_POINTS if isinstance(plugin, protocol)]

@@ -1,0 +1,97 @@
+"""The data that flows through a scheduling cycle."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, cast
+
+from epp.datastore import Endpoint
+
+T = TypeVar("T")
+
+
+class StateKey(Generic[T]):
+    """A typed key into `CycleState`: `TOKENS = StateKey[list[int]]("tokens")`."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StateKey({self.name!r})"
+
+
+class CycleState:
+    """Per-request scratch space shared by the plugins handling one request.
+
+    It lives from the first plugin call of a request to its post-response hooks, so
+    a plugin can leave data for a later extension point (a producer for a scorer,
+    a pre-request hook for the post-response hook). Keys are `StateKey` objects, so
+    two plugins only share an entry on purpose."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[StateKey[Any], Any] = {}
+
+    def put(self, key: StateKey[T], value: T) -> None:
+        self._data[key] = value
+
+    def get(self, key: StateKey[T]) -> T | None:
+        return cast("T | None", self._data.get(key))
+
+    def __contains__(self, key: StateKey[Any]) -> bool:
+        return key in self._data
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredEndpoint:
+    endpoint: Endpoint
+    score: float  # the profile's weighted total, in [0, 1]
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """What one scheduling profile decided, and why (kept for /debug/explain)."""
+
+    profile: str
+    targets: tuple[Endpoint, ...]  # primary first, then fallbacks; empty: nothing picked
+    scored: tuple[ScoredEndpoint, ...]  # every endpoint that survived the filters
+    # scorer name -> clamped score per endpoint
+    scores: Mapping[str, Mapping[Endpoint, float]] = field(default_factory=dict)
+    # filter name -> endpoints it removed
+    filtered_out: Mapping[str, tuple[Endpoint, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingResult:
+    primary_profile: str
+    profiles: Mapping[str, ProfileResult]
+
+    @property
+    def targets(self) -> tuple[Endpoint, ...]:
+        """The endpoints the request goes to: primary first, then fallbacks."""
+        return self.profiles[self.primary_profile].targets
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token usage a model server reported in its response."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseInfo:
+    """How a routed request ended, handed to post-response plugins."""
+
+    # False when the request ended before its response did (client gone, upstream
+    # reset, Envoy closed the stream): plugins should release what they hold.
+    completed: bool
+    status: int | None = None  # HTTP status of the response; None if none was seen
+    usage: Usage | None = None
+    duration_s: float = 0.0  # from the pick to the end of the response

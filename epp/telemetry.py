@@ -1,0 +1,120 @@
+"""The EPP's own Prometheus metrics, in a registry per application (no global state).
+
+Label values are bounded by design: outcomes, extension points, plugin and
+endpoint names come from the config and the pool, never from request content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from epp.datastore import Datastore
+
+# Scheduling runs in tens of microseconds; the buckets resolve that and still catch
+# a slow plugin.
+_FAST_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class Telemetry:
+    def __init__(self, datastore: Datastore, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        r.register(_EndpointCollector(datastore))
+        self.requests = Counter(
+            "epp_requests",
+            "Requests seen by the EPP, by outcome of the request phase (routed, or the"
+            " error it was answered with).",
+            ["outcome"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "epp_responses",
+            "Routed requests that ended: completed (the response ended) or aborted.",
+            ["result"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "epp_extproc_stream_errors",
+            "ext_proc streams that broke: protocol violations by the proxy, internal errors,"
+            " cancellations before a decision.",
+            ["reason"],
+            registry=r,
+        )
+        self.scheduler_duration = Histogram(
+            "epp_scheduler_duration_seconds",
+            "Time to pick an endpoint: data producers, filters, scorers, picker.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.request_processing_duration = Histogram(
+            "epp_request_processing_duration_seconds",
+            "Time from the end of the request body (or header-only request) to the"
+            " routing decision sent back to the proxy: what the EPP adds to each request.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.plugin_duration = Histogram(
+            "epp_plugin_duration_seconds",
+            "Time spent in one plugin call.",
+            ["extension_point", "plugin_type", "plugin_name"],
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "epp_prompt_tokens",
+            "Prompt tokens per request, from the response's usage.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.completion_tokens = Histogram(
+            "epp_completion_tokens",
+            "Completion tokens per request, from the response's usage.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "epp_cached_prompt_tokens",
+            "Prompt tokens the model servers reported as served from their prefix cache"
+            " (usage.prompt_tokens_details.cached_tokens).",
+            registry=r,
+        )
+        self.prompt_tokens_total = Counter(
+            "epp_prompt_tokens_routed",
+            "Prompt tokens of routed requests that reported usage; with"
+            " epp_cached_prompt_tokens_total it gives the fleet's prefix-cache hit rate.",
+            registry=r,
+        )
+
+    def plugin_timer(
+        self, extension_point: str, type_name: str, name: str
+    ) -> Callable[[float], None]:
+        return self.plugin_duration.labels(extension_point, type_name, name).observe
+
+
+class _EndpointCollector(Collector):
+    """Endpoint gauges read from the datastore at scrape time: nothing to keep in
+    step on the request path, and removed endpoints disappear by themselves."""
+
+    def __init__(self, datastore: Datastore) -> None:
+        self.datastore = datastore
+
+    def collect(self) -> Iterator[Metric]:
+        ready = GaugeMetricFamily("epp_endpoints_ready", "Endpoints requests may be routed to.")
+        ready.add_metric([], len(self.datastore.ready_endpoints()))
+        in_flight = GaugeMetricFamily(
+            "epp_in_flight_requests",
+            "Requests routed by this EPP that have not finished, by endpoint.",
+            labels=["endpoint"],
+        )
+        for endpoint in self.datastore.all_endpoints():
+            in_flight.add_metric([endpoint.name], endpoint.in_flight)
+        yield ready
+        yield in_flight

@@ -1,0 +1,34 @@
+"""`max-score-picker`: the endpoints with the highest total score.
+
+Ties are broken at random, so equal scores (a cold start, a burst between two
+metric scrapes) spread over the tied endpoints instead of piling onto the first.
+With `maxNumOfEndpoints` > 1 the next best follow as fallbacks for Envoy's retries.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+
+from epp.datastore import Endpoint
+from epp.scheduling import CycleState, PluginContext, ScoredEndpoint
+
+
+class MaxScorePicker:
+    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+        max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.max_endpoints = params.max_num_of_endpoints
+        self._rng = random.Random()
+
+    def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
+        if len(scored) == 1:
+            return [scored[0].endpoint]
+        shuffled = list(scored)
+        self._rng.shuffle(shuffled)
+        shuffled.sort(key=lambda s: s.score, reverse=True)  # stable: ties stay shuffled
+        return [s.endpoint for s in shuffled[: self.max_endpoints]]

@@ -1,0 +1,39 @@
+"""`weighted-random-picker`: endpoints drawn at random in proportion to their score.
+
+Weighted sampling without replacement by the A-Res method: each endpoint draws
+`key = U ** (1 / score)` with U uniform in (0, 1), and the highest keys win. An
+endpoint scoring 0 is only chosen after every endpoint with a positive score;
+when all score 0 the choice is uniform.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+
+from epp.datastore import Endpoint
+from epp.scheduling import CycleState, PluginContext, ScoredEndpoint
+
+
+class WeightedRandomPicker:
+    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+        max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.max_endpoints = params.max_num_of_endpoints
+        self._rng = random.Random()
+
+    def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
+        rng = self._rng
+
+        def key(item: ScoredEndpoint) -> tuple[int, float]:
+            u = 1.0 - rng.random()  # (0, 1]
+            if item.score > 0:
+                return (1, u ** (1.0 / item.score))
+            return (0, u)
+
+        ranked = sorted(scored, key=key, reverse=True)
+        return [s.endpoint for s in ranked[: self.max_endpoints]]
