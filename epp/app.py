@@ -93,6 +93,7 @@ class EppApp:
         self.grpc_server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._health_tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self.ports: dict[str, int] = {}
 
@@ -117,7 +118,10 @@ class EppApp:
 
     def _schedule_health_update(self) -> None:
         if self._started:
-            asyncio.get_running_loop().create_task(self._update_health())
+            task = asyncio.get_running_loop().create_task(self._update_health())
+            # asyncio keeps only a weak reference to a task: hold it until it is done.
+            self._health_tasks.add(task)
+            task.add_done_callback(self._health_tasks.discard)
 
     async def _update_health(self) -> None:
         ready = self.not_ready_reason() is None
@@ -131,8 +135,11 @@ class EppApp:
 
     async def start(self) -> None:
         o = self.options
-        # Room for a whole BUFFERED body in one message, plus the envelope.
-        message_limit = o.max_body_bytes + 1024 * 1024
+        # Room for a whole BUFFERED body in one message, plus the envelope. Never
+        # less than for the default body limit: a body over a small --max-body-bytes
+        # must reach the stream and get its 413, not break the gRPC stream (which
+        # Envoy turns into a 500).
+        message_limit = max(o.max_body_bytes, DEFAULT_MAX_BODY_BYTES) + 1024 * 1024
         grpc_options = [
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),

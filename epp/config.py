@@ -21,6 +21,7 @@ whole file is valid: a broken file never yields a half-configured scheduler.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -333,10 +334,21 @@ class _Loader:
         return Slot(name, type_name, plugin, self.observe(extension_point, type_name, name))
 
     def default_plugin(
-        self, type_name: str, plugins: dict[str, object], types: dict[str, str]
-    ) -> str:
-        """Add a default plugin of `type_name` (unless one by that name exists)."""
-        if type_name not in plugins:
+        self, type_name: str, interface: type, plugins: dict[str, object], types: dict[str, str]
+    ) -> str | None:
+        """Add a default plugin of `type_name` (unless one by that name exists), or
+        report why it cannot be used."""
+        existing = plugins.get(type_name)
+        if existing is not None and not isinstance(existing, interface):
+            # A user's plugin took the default's name (a name defaults to the type):
+            # using it in the default's place would fail on the first request.
+            self.error(
+                ("plugins",),
+                f"the default {type_name!r} is needed, but that name belongs to a plugin of"
+                f" type {types[type_name]!r}: give that plugin another name",
+            )
+            return None
+        if existing is None:
             plugin_class = self.registry.resolve(type_name)
             plugins[type_name] = plugin_class(
                 NoParameters()
@@ -376,8 +388,12 @@ class _Loader:
                     used = True
                 if isinstance(plugin, Scorer):
                     weight = 1.0 if ref.weight is None else ref.weight
-                    if weight < 0:
-                        self.error((*path, "weight"), "a scorer weight must not be negative")
+                    # NaN or infinity would turn every total into NaN.
+                    if not (math.isfinite(weight) and weight >= 0):
+                        self.error(
+                            (*path, "weight"),
+                            f"a scorer weight must be a finite number >= 0, got {weight}",
+                        )
                     scorers.append(
                         WeightedScorer(
                             self.slot("scorer", ref.plugin_ref, type_name, plugin), weight
@@ -404,7 +420,9 @@ class _Loader:
                         " in a profile",
                     )
             if picker is None:
-                name = self.default_plugin(DEFAULT_PICKER, plugins, types)
+                name = self.default_plugin(DEFAULT_PICKER, Picker, plugins, types)
+                if name is None:
+                    continue
                 picker = self.slot("picker", name, types[name], plugins[name])
             profiles[profile.name] = SchedulerProfile(
                 profile.name, tuple(filters), tuple(scorers), picker
@@ -421,7 +439,10 @@ class _Loader:
                     " among them",
                 )
             else:
-                handlers = [self.default_plugin(DEFAULT_PROFILE_HANDLER, plugins, types)]
+                default = self.default_plugin(
+                    DEFAULT_PROFILE_HANDLER, ProfileHandler, plugins, types
+                )
+                handlers = [default] if default is not None else []
         if self.errors:
             return None
         handler = handlers[0]

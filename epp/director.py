@@ -117,8 +117,16 @@ class Director:
             raise NoCapacity(
                 _no_capacity_message(len(candidates), result.profiles[result.primary_profile])
             )
-        # From here on the pick has effects: nothing may await until it is returned,
-        # so concurrent picks always see each other's in-flight counts.
+        # The rewrite may still fail (BadRequest): it runs before the pick has any
+        # effect, so a request that is rejected never holds an in-flight slot.
+        body = (
+            rewrite_model(request.body, request.target_model)
+            if request.model_rewritten
+            else request.body
+        )
+        # From here on the pick has effects: nothing may await or raise until it is
+        # returned, so concurrent picks always see each other's in-flight counts and
+        # every acquire is matched by the release in `finish`.
         primary = targets[0]
         self.datastore.acquire(primary)
         for slot in config.pre_request:
@@ -128,11 +136,6 @@ class Director:
             except Exception:
                 log.exception("pre-request plugin %s failed", slot.name)
             slot.observe(time.perf_counter() - t0)
-        body = (
-            rewrite_model(request.body, request.target_model)
-            if request.model_rewritten
-            else request.body
-        )
         return Decision(
             request=request,
             config=config,

@@ -18,6 +18,7 @@ object), so health checks, `/v1/models` and engine-specific endpoints pass throu
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -187,8 +188,10 @@ class _EmbeddingsBody(_Common, frozen=True):
 
 class _ChatBody(_Common, frozen=True):
     messages: list[msgspec.Raw] | None = None
-    tools: msgspec.Raw | None = None
-    chat_template_kwargs: msgspec.Raw | None = None
+    # msgspec.Raw cannot be part of a union (`Raw | None` only accepts null): an
+    # absent field is the empty Raw, and `_raw_or_none` maps it (and null) to None.
+    tools: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    chat_template_kwargs: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
 
 
 class _ResponsesBody(_Common, frozen=True):
@@ -211,21 +214,45 @@ _part_decoder: Final = msgspec.json.Decoder(_Part)
 _any_decoder: Final = msgspec.json.Decoder(_AnyBody)
 
 
-def _describe(exc: Exception) -> str:
+# A \uD800-\uDBFF escape without a low surrogate after it (an even run of
+# backslashes before it, so it is an escape and not escaped text).
+_LONE_HIGH_SURROGATE: Final = re.compile(
+    rb"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
+
+
+def _describe(exc: Exception, where: str = "body", body: bytes = b"") -> str:
     if isinstance(exc, UnicodeDecodeError):
         return "the body is not valid UTF-8"
     text = str(exc)
     if isinstance(exc, msgspec.ValidationError):
-        # msgspec names the body `$`; say "body" so the message reads on its own.
-        return text.replace("`$.", "`body.").replace("`$`", "`body`")
+        # msgspec names the decoded value `$` (and leaves the path out when the error
+        # is about the value itself); say where it is in the body (`body`, or
+        # `body.messages[2]` for a message decoded on its own) so the message reads
+        # on its own.
+        if " - at `$" not in text:
+            return f"{text} - at `{where}`"
+        return (
+            text.replace("`$.", f"`{where}.")
+            .replace("`$[", f"`{where}[")
+            .replace("`$`", f"`{where}`")
+        )
+    if body and _LONE_HIGH_SURROGATE.search(body):
+        # msgspec calls this "Input data was truncated", which misleads.
+        return "the body is not valid JSON (a \\u escape is a lone UTF-16 surrogate)"
     return f"the body is not valid JSON ({text})"
+
+
+def _raw_or_none(raw: msgspec.Raw) -> bytes | None:
+    value = bytes(raw)
+    return None if not value or value == b"null" else value
 
 
 def _decode_message(raw: msgspec.Raw, where: str) -> Message:
     try:
         wire = _message_decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadRequest(f"invalid {where}: {_describe(exc)}") from None
+        raise BadRequest(f"invalid {where}: {_describe(exc, f'body.{where}')}") from None
     content: str | tuple[ContentPart, ...] | None
     if isinstance(wire.content, list):
         parts = []
@@ -233,7 +260,10 @@ def _decode_message(raw: msgspec.Raw, where: str) -> Message:
             try:
                 part = _part_decoder.decode(raw_part)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise BadRequest(f"invalid {where}.content[{i}]: {_describe(exc)}") from None
+                part_where = f"{where}.content[{i}]"
+                raise BadRequest(
+                    f"invalid {part_where}: {_describe(exc, f'body.{part_where}')}"
+                ) from None
             if part.text is not None:
                 parts.append(ContentPart(type=part.type, text=part.text))
             else:
@@ -253,14 +283,18 @@ def _prompt_list(
         return CompletionPrompt((value,))
     if not value:
         raise BadRequest(f"`{field_name}` is an empty list")
+    mixed = BadRequest(
+        f"`{field_name}` mixes strings, token ids and token-id lists: it must be a string,"
+        " a list of strings, a list of token ids or a list of token-id lists"
+    )
     first = value[0]
     if isinstance(first, int):
         if not all(type(t) is int for t in value):
-            raise BadRequest(f"`{field_name}` mixes token ids with other values")
+            raise mixed
         return CompletionPrompt((tuple(value),))  # type: ignore[arg-type]
     kind = type(first)
     if not all(type(item) is kind for item in value):
-        raise BadRequest(f"`{field_name}` mixes strings and token-id lists")
+        raise mixed
     if kind is str:
         return CompletionPrompt(tuple(value))  # type: ignore[arg-type]
     for i, ids in enumerate(value):
@@ -282,10 +316,8 @@ def _parse_prompt(api: Api, wire: _Common) -> Prompt:
         )
         return ChatPrompt(
             messages=messages,
-            tools=bytes(wire.tools) if wire.tools is not None else None,
-            chat_template_kwargs=(
-                bytes(wire.chat_template_kwargs) if wire.chat_template_kwargs is not None else None
-            ),
+            tools=_raw_or_none(wire.tools),
+            chat_template_kwargs=_raw_or_none(wire.chat_template_kwargs),
         )
     assert isinstance(wire, _ResponsesBody), api
     if wire.input is None or (isinstance(wire.input, list) and not wire.input):
@@ -312,11 +344,14 @@ def parse_request(
     path: str,
     headers: Mapping[str, str],
     body: bytes,
+    body_seen: bool = True,
 ) -> InferenceRequest:
     """Build the `InferenceRequest` for one HTTP request, or raise `BadRequest`.
 
     `headers` must have lower-case names. An empty body on a non-API path (GET
     /v1/models, health checks) is valid and routes without a model.
+    `body_seen=False`: the proxy does not show this EPP the body (a STREAMED or
+    NONE body mode), so the request is routed on its headers alone.
     """
     api = api_for_path(path)
     rewrite = headers.get(MODEL_REWRITE_HEADER) or None
@@ -340,12 +375,19 @@ def parse_request(
             fairness_id=headers.get(FAIRNESS_ID_HEADER),
         )
 
+    if not body_seen:
+        return build()
     if api is Api.OTHER:
         model = ""
         if body and _is_json_content_type(headers.get("content-type")):
             try:
                 model = _any_decoder.decode(body).model or ""
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            except (
+                msgspec.DecodeError,
+                msgspec.ValidationError,
+                UnicodeDecodeError,
+                RecursionError,
+            ):
                 model = ""  # not ours to judge: the upstream answers it
         return build(model)
 
@@ -355,23 +397,40 @@ def parse_request(
     if not _is_json_content_type(content_type):
         raise BadRequest(f"unsupported content type {content_type!r}: send application/json")
     try:
+        # msgspec checks UTF-8 only in the strings it decodes, not in the values it
+        # skips or keeps raw (unknown fields, messages, tools), which plugins decode
+        # later. Check the whole body once; the ASCII test makes the usual case cheap.
+        if not body.isascii():
+            body.decode("utf-8")
         wire: _Common = _decoders[api].decode(body)
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON (nested too deeply)") from None
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-        raise BadRequest(_describe(exc)) from None
+        raise BadRequest(_describe(exc, body=body)) from None
     if not wire.model:
         raise BadRequest("the request body has no `model`")
-    return build(wire.model, bool(wire.stream), wire.cache_salt, _parse_prompt(api, wire))
+    try:
+        prompt = _parse_prompt(api, wire)
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON (nested too deeply)") from None
+    return build(wire.model, bool(wire.stream), wire.cache_salt, prompt)
 
 
-_generic_decoder: Final = msgspec.json.Decoder()
+# Top-level values are kept as raw JSON: a rewrite changes `model` and nothing else
+# (no number reformatted, no escape changed, no value out of Python's float range lost).
+_top_level_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _generic_encoder: Final = msgspec.json.Encoder()
 
 
 def rewrite_model(body: bytes, model: str) -> bytes:
     """The body with its `model` replaced. Only called when a rewrite is asked for:
-    an unchanged body is never re-serialised. Key order is preserved."""
-    document = _generic_decoder.decode(body)
-    if not isinstance(document, dict):
-        raise BadRequest("cannot rewrite the model of a body that is not a JSON object")
-    document["model"] = model
+    an unchanged body is never re-serialised. Key order and every other value are
+    preserved byte for byte (only the whitespace between top-level members goes)."""
+    try:
+        document = _top_level_decoder.decode(body)
+    except RecursionError:
+        raise BadRequest("cannot rewrite the model of this body: nested too deeply") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"cannot rewrite the model of this body: {_describe(exc)}") from None
+    document["model"] = msgspec.Raw(_generic_encoder.encode(model))
     return _generic_encoder.encode(document)

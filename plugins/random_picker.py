@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Annotated
-
-import msgspec
 
 from epp.datastore import Endpoint
-from epp.scheduling import CycleState, PluginContext, ScoredEndpoint
+from epp.scheduling import CycleState, PickerParameters, PluginContext, ScoredEndpoint
 
 
 class RandomPicker:
-    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
-        max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
+    Parameters = PickerParameters
 
-    def __init__(self, params: Parameters, context: PluginContext) -> None:
+    def __init__(self, params: PickerParameters, context: PluginContext) -> None:
         self.max_endpoints = params.max_num_of_endpoints
         self._rng = random.Random()
 

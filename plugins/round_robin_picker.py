@@ -7,20 +7,22 @@ A baseline for benchmarks (what a plain load balancer does). The turn advances i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated
-
-import msgspec
 
 from epp.datastore import Endpoint
 from epp.requests import InferenceRequest
-from epp.scheduling import CycleState, PluginContext, SchedulingResult, ScoredEndpoint
+from epp.scheduling import (
+    CycleState,
+    PickerParameters,
+    PluginContext,
+    SchedulingResult,
+    ScoredEndpoint,
+)
 
 
 class RoundRobinPicker:
-    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
-        max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
+    Parameters = PickerParameters
 
-    def __init__(self, params: Parameters, context: PluginContext) -> None:
+    def __init__(self, params: PickerParameters, context: PluginContext) -> None:
         self.max_endpoints = params.max_num_of_endpoints
         self._turn = 0
 

@@ -4,13 +4,17 @@
           |  (header-only request: routed at once)                |
           +-------------------------------------------------------+
     RESPONSE_HEADERS --headers--> RESPONSE_BODY --body end / trailers--> DONE
-    any state --EPP answers the client itself (error)--> DONE
+    any state --EPP answers the client itself (error)--> ANSWERED
 
 FULL_DUPLEX_STREAMED (GIE's mode): nothing is answered until the request body has
 ended; then come the request-headers reply carrying the decision and the body,
 handed back unchanged in chunks. BUFFERED bodies: the headers are answered at
 once and the decision rides on the body reply. Response headers and body pass
 through untouched while usage is read on the way.
+
+Envoy ends its side of the stream when it reads an ImmediateResponse, and
+ignores whatever comes after it; messages it sent before reading it (the rest of
+a FULL_DUPLEX body rejected with a 413) are dropped in ANSWERED, unanswered.
 
 `handle` never raises: an `EppError` becomes an ImmediateResponse with its status,
 any other exception a 500 (and a log line with the traceback).
@@ -44,7 +48,8 @@ class Phase(enum.Enum):
     REQUEST_BODY = "request_body"  # buffering the request body
     RESPONSE_HEADERS = "response_headers"  # routed; waiting for the response
     RESPONSE_BODY = "response_body"  # passing the response body through
-    DONE = "done"  # the response ended, or the EPP answered the client itself
+    DONE = "done"  # the response ended
+    ANSWERED = "answered"  # the EPP answered the client itself (ImmediateResponse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,10 @@ class RequestStream:
         self.request_id = ""
         self.generated_request_id = False
         self.subset: list[str] | None = None
+        # Routed before the request ended (a STREAMED or NONE body mode, or a
+        # BUFFERED body followed by trailers): the rest of the request, which the
+        # decision did not wait for, passes through without being a violation.
+        self.request_tail = False
         self.body = bytearray()
         self.decision: Decision | None = None
         self.usage: UsageReader | None = None
@@ -81,6 +90,8 @@ class RequestStream:
     async def handle(self, message: pb.ProcessingRequest) -> Replies:
         """The replies to one message from Envoy, in the order to send them."""
         kind = message.WhichOneof("request")
+        if self.phase is Phase.ANSWERED:
+            return _NO_REPLY
         try:
             if kind == "request_headers":
                 return await self._request_headers(message)
@@ -112,7 +123,7 @@ class RequestStream:
 
     def close(self) -> None:
         """The stream ended, normally or not. A request still open is aborted."""
-        if self.decision is not None and self.phase is not Phase.DONE:
+        if self.decision is not None and self.phase not in (Phase.DONE, Phase.ANSWERED):
             self._finish(completed=False)
         elif self.phase in (Phase.REQUEST_HEADERS, Phase.REQUEST_BODY) and self.headers:
             self.telemetry.requests.labels("abandoned").inc()
@@ -143,7 +154,8 @@ class RequestStream:
             if self.request_body_mode == m.STREAMED:
                 log.debug("request body mode STREAMED: routing on headers only")
             self.body_ended_at = time.perf_counter()
-            decision = await self._route(b"")
+            decision = await self._route(b"", body_seen=message.request_headers.end_of_stream)
+            self.request_tail = not message.request_headers.end_of_stream
             return [self._headers_decision(decision)]
         self.phase = Phase.REQUEST_BODY
         if self.request_body_mode in (m.BUFFERED, m.BUFFERED_PARTIAL):
@@ -153,7 +165,8 @@ class RequestStream:
 
     async def _request_body(self, body: pb.HttpBody) -> Replies:
         if self.phase is not Phase.REQUEST_BODY:
-            self._protocol_error(f"request body in phase {self.phase.value}")
+            if not self.request_tail:
+                self._protocol_error(f"request body in phase {self.phase.value}")
             return self._echo("request_body", body.body, body.end_of_stream)
         self.body += body.body
         if len(self.body) > self.settings.max_body_bytes:
@@ -161,18 +174,26 @@ class RequestStream:
                 f"the request body is over the endpoint picker's limit of"
                 f" {self.settings.max_body_bytes} bytes"
             )
-        buffered = self.request_body_mode in (m.BUFFERED, m.BUFFERED_PARTIAL)
-        if buffered and not body.end_of_stream:
+        if self.request_body_mode == m.BUFFERED_PARTIAL and not body.end_of_stream:
             # BUFFERED_PARTIAL sent only what fit in Envoy's buffer: the rest goes
             # upstream without passing here, so the body cannot be read whole.
             raise PayloadTooLarge("the request body is larger than the proxy's buffer limit")
+        if self.request_body_mode == m.BUFFERED:
+            # A BUFFERED body always comes whole, in one message (Envoy answers a
+            # body over its buffer limit itself). Without end_of_stream it is
+            # followed by the request trailers, and Envoy waits for this reply
+            # before it sends them: route now.
+            self.request_tail = not body.end_of_stream
+            return await self._body_complete(trailers_follow=self.request_tail)
         if not body.end_of_stream:
             return _NO_REPLY
         return await self._body_complete(trailers_follow=False)
 
     async def _request_trailers(self) -> Replies:
         if self.phase is not Phase.REQUEST_BODY:
-            self._protocol_error(f"request trailers in phase {self.phase.value}")
+            if not self.request_tail:
+                self._protocol_error(f"request trailers in phase {self.phase.value}")
+            self.request_tail = False  # the trailers end the request
             return [m.CONTINUE_REQUEST_TRAILERS]
         # Trailers end the request: the body is complete.
         replies = await self._body_complete(trailers_follow=True)
@@ -199,13 +220,14 @@ class RequestStream:
             *m.streamed_body("request_body", decision.body, end_of_stream=not trailers_follow),
         ]
 
-    async def _route(self, body: bytes) -> Decision:
+    async def _route(self, body: bytes, body_seen: bool = True) -> Decision:
         request = parse_request(
             request_id=self.request_id,
             method=self.headers.get(":method", ""),
             path=self.headers.get(":path", ""),
             headers=self.headers,
             body=body,
+            body_seen=body_seen,
         )
         decision = await self.director.pick_endpoint(request, self.subset)
         self.decision = decision
@@ -255,7 +277,7 @@ class RequestStream:
         self.telemetry.requests.labels(error.outcome).inc()
         if self.decision is not None:
             self._finish(completed=False)
-        self.phase = Phase.DONE
+        self.phase = Phase.ANSWERED
         log.info("request rejected with %d: %s", error.status, error.message)
         return [m.immediate_response(error)]
 
@@ -270,7 +292,7 @@ class RequestStream:
             self.status = int(values.get(":status", ""))
         except ValueError:
             self.status = None
-        content_type = values.get("content-type", "")
+        content_type = values.get("content-type", "").lower()
         self.usage = UsageReader(event_stream="text/event-stream" in content_type)
         if headers.end_of_stream:
             self._finish(completed=True)
@@ -291,6 +313,8 @@ class RequestStream:
     def _response_trailers(self) -> Replies:
         if self.phase in (Phase.RESPONSE_HEADERS, Phase.RESPONSE_BODY):
             self._finish(completed=True)
+        else:
+            self._protocol_error(f"response trailers in phase {self.phase.value}")
         return [m.CONTINUE_RESPONSE_TRAILERS]
 
     def _finish(self, completed: bool) -> None:

@@ -63,7 +63,7 @@ _decoder: Final = msgspec.json.Decoder(_Document)
 def _usage_of(payload: bytes) -> Usage | None:
     try:
         wire = _decoder.decode(payload).wire_usage()
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
         return None
     return wire.to_usage() if wire is not None else None
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Annotated, Protocol, runtime_checkable
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -45,6 +45,14 @@ from epp.scheduling.types import (
 
 class NoParameters(msgspec.Struct, forbid_unknown_fields=True):
     """The parameters of a plugin that takes none."""
+
+
+class PickerParameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """The parameters GIE's pickers share."""
+
+    # How many endpoints to return: the primary, then fallbacks for the proxy to
+    # retry on. (Plain Envoy's ORIGINAL_DST cluster reads one address: keep 1 there.)
+    max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 @dataclass(frozen=True, slots=True)

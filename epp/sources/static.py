@@ -51,14 +51,21 @@ class _File(msgspec.Struct, forbid_unknown_fields=True):
 
 def _address_error(address: str) -> str | None:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return "must be IP:port"
+    # An IPv6 address goes in brackets ([::1]:8000), an IPv4 one does not: that is the
+    # form Envoy parses, and without brackets "::1:8000" would read as an address.
+    bracketed = host.startswith("[") and host.endswith("]")
     try:
-        ipaddress.ip_address(host.strip("[]"))
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
     except ValueError:
+        if ":" in host or "[" in host or "]" in host:
+            return "must be IP:port, with an IPv6 address in brackets: [::1]:8000"
         # Envoy's original-destination cluster connects to the header's value as is:
         # it does not resolve names.
         return "must be an IP address and port, not a host name"
+    if bracketed != (ip.version == 6):
+        return "must be IP:port, with an IPv6 address (and only an IPv6 one) in brackets"
     return None
 
 

@@ -1,0 +1,333 @@
+"""`python -m bench overhead`: what the EPP adds to each request, through real Envoy.
+
+One Envoy process has two listeners in front of the same upstreams:
+- `direct`: Envoy routes round-robin to the upstreams itself (no ext_proc);
+- `epp`: Envoy asks `epp serve` over ext_proc (full-duplex streamed bodies, the
+  production configuration) and routes to the endpoint it picks.
+The upstreams are an Envoy serving a fixed OpenAI-shaped answer (direct_response),
+so they cost next to nothing and the difference between the two listeners is the
+EPP round trip. The two paths are measured in alternating rounds in one run, so
+machine noise hits both alike, and the report gives medians and p99.
+
+Throughput: a closed loop with many clients through the `epp` listener; the EPP
+process's CPU time is read from /proc, giving CPU per routed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.stack import (
+    EppPorts,
+    ManagedProcess,
+    envoy_config,
+    free_port,
+    start_envoy,
+    start_epp,
+    write_endpoints_file,
+)
+
+UPSTREAM_ANSWER = json.dumps(
+    {
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65},
+    }
+)
+
+
+def upstream_envoy_config(ports: list[int], admin_port: int) -> dict[str, Any]:
+    """An Envoy answering every request on each port with a fixed JSON body."""
+    listeners = []
+    for port in ports:
+        listeners.append(
+            {
+                "name": f"upstream-{port}",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                "filter_chains": [
+                    {
+                        "filters": [
+                            {
+                                "name": "envoy.filters.network.http_connection_manager",
+                                "typed_config": {
+                                    "@type": "type.googleapis.com/envoy.extensions.filters"
+                                    ".network.http_connection_manager.v3.HttpConnectionManager",
+                                    "stat_prefix": f"upstream_{port}",
+                                    "route_config": {
+                                        "virtual_hosts": [
+                                            {
+                                                "name": "all",
+                                                "domains": ["*"],
+                                                "routes": [
+                                                    {
+                                                        "match": {"prefix": "/"},
+                                                        "direct_response": {
+                                                            "status": 200,
+                                                            "body": {
+                                                                "inline_string": UPSTREAM_ANSWER
+                                                            },
+                                                        },
+                                                        "response_headers_to_add": [
+                                                            {
+                                                                "header": {
+                                                                    "key": "content-type",
+                                                                    "value": "application/json",
+                                                                }
+                                                            }
+                                                        ],
+                                                    }
+                                                ],
+                                            }
+                                        ]
+                                    },
+                                    "http_filters": [
+                                        {
+                                            "name": "envoy.filters.http.router",
+                                            "typed_config": {
+                                                "@type": "type.googleapis.com/envoy.extensions"
+                                                ".filters.http.router.v3.Router"
+                                            },
+                                        }
+                                    ],
+                                },
+                            }
+                        ]
+                    }
+                ],
+            }
+        )
+    return {
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
+        },
+        "static_resources": {"listeners": listeners},
+    }
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    requests: int
+    errors: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    rps: float
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def summarize(latencies: list[float], errors: int, wall_s: float) -> LatencyStats:
+    values = sorted(latencies)
+    return LatencyStats(
+        requests=len(values),
+        errors=errors,
+        p50_ms=_percentile(values, 0.50) * 1000,
+        p90_ms=_percentile(values, 0.90) * 1000,
+        p99_ms=_percentile(values, 0.99) * 1000,
+        mean_ms=statistics.fmean(values) * 1000 if values else float("nan"),
+        rps=len(values) / wall_s if wall_s > 0 else 0.0,
+    )
+
+
+async def closed_loop(
+    url: str, body: bytes, concurrency: int, requests: int, progress: tqdm[Any] | None = None
+) -> tuple[list[float], int, float]:
+    """`requests` POSTs with `concurrency` clients; returns latencies, errors, wall time."""
+    latencies: list[float] = []
+    errors = 0
+    remaining = requests
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    headers = {"content-type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client() -> None:
+            nonlocal remaining, errors
+            while remaining > 0:
+                remaining -= 1
+                started = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=headers) as response:
+                        await response.read()
+                        ok = response.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - started)
+                else:
+                    errors += 1
+                if progress is not None:
+                    progress.update()
+
+        wall_started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - wall_started
+    return latencies, errors, wall
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@dataclass(frozen=True)
+class OverheadOptions:
+    out_dir: Path
+    requests_c1: int = 3000
+    requests_c32: int = 12000
+    rounds: int = 3
+    throughput_requests: int = 20000
+    throughput_concurrency: int = 64
+    prompt_bytes: int = 200
+    upstreams: int = 2
+
+
+def _body(prompt_bytes: int) -> bytes:
+    return json.dumps(
+        {"model": "sim-model", "prompt": "x" * prompt_bytes, "max_tokens": 1}
+    ).encode()
+
+
+async def _measure(
+    options: OverheadOptions, direct_url: str, epp_url: str, epp: ManagedProcess
+) -> dict[str, Any]:
+    body = _body(options.prompt_bytes)
+    results: dict[str, Any] = {}
+    # Warm up connections and code paths on both listeners.
+    for url in (direct_url, epp_url):
+        await closed_loop(url, body, 8, 500)
+
+    for concurrency, total in ((1, options.requests_c1), (32, options.requests_c32)):
+        per_round = max(1, total // options.rounds)
+        samples: dict[str, list[float]] = {"direct": [], "epp": []}
+        errors = {"direct": 0, "epp": 0}
+        walls = {"direct": 0.0, "epp": 0.0}
+        with tqdm(
+            total=per_round * options.rounds * 2, desc=f"latency c={concurrency}", unit="req"
+        ) as bar:
+            for _ in range(options.rounds):
+                for name, url in (("direct", direct_url), ("epp", epp_url)):
+                    latencies, errs, wall = await closed_loop(
+                        url, body, concurrency, per_round, bar
+                    )
+                    samples[name] += latencies
+                    errors[name] += errs
+                    walls[name] += wall
+        stats = {name: summarize(samples[name], errors[name], walls[name]) for name in samples}
+        results[f"c{concurrency}"] = {
+            "direct": asdict(stats["direct"]),
+            "epp": asdict(stats["epp"]),
+            "added_p50_ms": stats["epp"].p50_ms - stats["direct"].p50_ms,
+            "added_p99_ms": stats["epp"].p99_ms - stats["direct"].p99_ms,
+        }
+
+    assert epp.process is not None
+    cpu_before = process_cpu_seconds(epp.process.pid)
+    with tqdm(total=options.throughput_requests, desc="throughput", unit="req") as bar:
+        latencies, errs, wall = await closed_loop(
+            epp_url, body, options.throughput_concurrency, options.throughput_requests, bar
+        )
+    cpu = process_cpu_seconds(epp.process.pid) - cpu_before
+    sustained = summarize(latencies, errs, wall)
+    results["throughput"] = {
+        "concurrency": options.throughput_concurrency,
+        **asdict(sustained),
+        "epp_cpu_s": cpu,
+        "epp_cpu_us_per_request": cpu / max(1, sustained.requests) * 1e6,
+        "epp_cpu_utilisation": cpu / wall if wall > 0 else 0.0,
+    }
+    return results
+
+
+def run_overhead(options: OverheadOptions) -> dict[str, Any]:
+    out = options.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as cleanup:
+        upstream_ports = [free_port() for _ in range(options.upstreams)]
+        upstream = start_envoy(upstream_envoy_config(upstream_ports, free_port()), out / "upstream")
+        cleanup.callback(upstream.stop)
+        endpoints = write_endpoints_file(
+            out / "endpoints.yaml",
+            [(f"up-{i}", f"127.0.0.1:{port}") for i, port in enumerate(upstream_ports)],
+        )
+        ports = EppPorts.free()
+        epp = start_epp(endpoints, out, ports)
+        cleanup.callback(epp.stop)
+        listen, direct, admin = free_port(), free_port(), free_port()
+        front = start_envoy(
+            envoy_config(
+                listen_port=listen,
+                epp_port=ports.grpc,
+                admin_port=admin,
+                direct_listener=(direct, [f"127.0.0.1:{p}" for p in upstream_ports]),
+            ),
+            out / "front",
+        )
+        cleanup.callback(front.stop)
+        results = asyncio.run(
+            _measure(
+                options,
+                f"http://127.0.0.1:{direct}/v1/completions",
+                f"http://127.0.0.1:{listen}/v1/completions",
+                epp,
+            )
+        )
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    results["options"] = {
+        k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()
+    }
+    (out / "overhead.json").write_text(json.dumps(results, indent=2))
+    (out / "overhead.md").write_text(report(results))
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [
+        "| concurrency | path | requests | errors | p50 ms | p90 ms | p99 ms | req/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key in ("c1", "c32"):
+        for path in ("direct", "epp"):
+            s = results[key][path]
+            lines.append(
+                f"| {key[1:]} | {'Envoy direct' if path == 'direct' else 'Envoy + EPP'} |"
+                f" {s['requests']} | {s['errors']} | {s['p50_ms']:.3f} | {s['p90_ms']:.3f} |"
+                f" {s['p99_ms']:.3f} | {s['rps']:.0f} |"
+            )
+    lines.append("")
+    for key in ("c1", "c32"):
+        r = results[key]
+        lines.append(
+            f"- added by the EPP at concurrency {key[1:]}: p50 {r['added_p50_ms']:+.3f} ms,"
+            f" p99 {r['added_p99_ms']:+.3f} ms"
+        )
+    t = results["throughput"]
+    lines.append(
+        f"- sustained through Envoy + EPP at concurrency {t['concurrency']}: {t['rps']:.0f} req/s"
+        f" ({t['errors']} errors); EPP CPU {t['epp_cpu_us_per_request']:.0f} µs per request,"
+        f" {t['epp_cpu_utilisation'] * 100:.0f}% of one core"
+    )
+    return "\n".join(lines) + "\n"

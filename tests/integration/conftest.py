@@ -1,0 +1,96 @@
+"""A real Envoy in front of a real `epp serve` process and recording upstreams."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bench.stack import (
+    EppPorts,
+    ManagedProcess,
+    envoy_config,
+    free_port,
+    start_envoy,
+    start_epp,
+    write_endpoints_file,
+)
+from tests.integration.upstream import Upstreams
+
+MAX_BODY_BYTES = 2 * 1024 * 1024
+
+# Requests name their upstream with the header-based testing filter; without the
+# header, max-score-picker chooses among all (every score is 0: a random choice).
+CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: header-based-testing-filter
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: header-based-testing-filter
+  - pluginRef: max-score-picker
+"""
+
+
+@dataclass
+class Stack:
+    upstreams: Upstreams
+    epp: ManagedProcess
+    envoy: ManagedProcess
+    epp_ports: EppPorts
+    envoy_port: int
+    envoy_admin_port: int
+    workdir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.epp_ports.metrics}"
+
+    @property
+    def envoy_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_admin_port}"
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("stack")
+    with contextlib.ExitStack() as cleanup:
+        upstreams = Upstreams(3).start()
+        cleanup.callback(upstreams.stop)
+        endpoints = write_endpoints_file(
+            workdir / "endpoints.yaml", [(u.name, u.address) for u in upstreams]
+        )
+        config = workdir / "config.yaml"
+        config.write_text(CONFIG)
+        ports = EppPorts.free()
+        epp = start_epp(
+            endpoints,
+            workdir,
+            ports,
+            config_file=config,
+            extra_args=["--debug-endpoints", "--max-body-bytes", str(MAX_BODY_BYTES)],
+        )
+        cleanup.callback(epp.stop)
+        envoy_port, admin_port = free_port(), free_port()
+        envoy = start_envoy(
+            envoy_config(listen_port=envoy_port, epp_port=ports.grpc, admin_port=admin_port),
+            workdir,
+        )
+        cleanup.callback(envoy.stop)
+        yield Stack(upstreams, epp, envoy, ports, envoy_port, admin_port, workdir)
+
+
+@pytest.fixture
+def clean_stack(stack: Stack) -> Stack:
+    stack.upstreams.clear()
+    return stack
