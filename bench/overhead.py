@@ -1,16 +1,22 @@
 """`python -m bench overhead`: what the EPP adds to each request, through real Envoy.
 
-One Envoy process has two listeners in front of the same upstreams:
+One Envoy process has four listeners in front of the same upstreams:
 - `direct`: Envoy routes round-robin to the upstreams itself (no ext_proc);
-- `epp`: Envoy asks `epp serve` over ext_proc (full-duplex streamed bodies, the
-  production configuration) and routes to the endpoint it picks.
+- `null`: Envoy asks a do-nothing ext_proc server (bench/null_epp.py) with GIE's
+  protocol: the floor that the protocol alone costs in Python;
+- `epp`: Envoy asks `epp serve` over ext_proc with GIE's protocol (full-duplex
+  streamed request and response bodies, manifests/envoy/envoy.yaml) and routes to
+  the endpoint it picks;
+- `epp-lean`: the same EPP process in lean mode (manifests/envoy/envoy-lean.yaml):
+  ext_proc for the request only, the end of each request from Envoy's gRPC access log.
 The upstreams are an Envoy serving a fixed OpenAI-shaped answer (direct_response),
-so they cost next to nothing and the difference between the two listeners is the
-EPP round trip. The two paths are measured in alternating rounds in one run, so
-machine noise hits both alike, and the report gives medians and p99.
+so they cost next to nothing and the difference between the listeners is the
+ext_proc round trip. The paths are measured in alternating rounds in one run, so
+machine noise hits all alike, and the report gives medians and p99.
 
-Throughput: a closed loop with many clients through the `epp` listener; the EPP
-process's CPU time is read from /proc, giving CPU per routed request.
+Throughput: a closed loop with many clients through each ext_proc listener in turn;
+the server process's CPU time is read from /proc, giving CPU per routed request
+(for `epp-lean` including the access-log entries it reads).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +39,9 @@ from tqdm import tqdm
 from bench.stack import (
     EppPorts,
     ManagedProcess,
+    add_direct_listener,
+    add_epp_listener,
+    add_lean_listener,
     envoy_config,
     free_port,
     start_envoy,
@@ -207,54 +217,70 @@ def _body(prompt_bytes: int) -> bytes:
     ).encode()
 
 
+PATHS = {
+    "direct": "Envoy direct",
+    "null": "Envoy + null ext_proc",
+    "epp": "Envoy + EPP",
+    "epp-lean": "Envoy + EPP, lean",
+}
+# The paths through an ext_proc server, whose CPU the throughput run measures.
+SERVED = ("null", "epp", "epp-lean")
+
+
 async def _measure(
-    options: OverheadOptions, direct_url: str, epp_url: str, epp: ManagedProcess
+    options: OverheadOptions, urls: dict[str, str], servers: dict[str, ManagedProcess]
 ) -> dict[str, Any]:
     body = _body(options.prompt_bytes)
     results: dict[str, Any] = {}
-    # Warm up connections and code paths on both listeners.
-    for url in (direct_url, epp_url):
+    for url in urls.values():  # warm up connections and code paths
         await closed_loop(url, body, 8, 500)
 
     for concurrency, total in ((1, options.requests_c1), (32, options.requests_c32)):
         per_round = max(1, total // options.rounds)
-        samples: dict[str, list[float]] = {"direct": [], "epp": []}
-        errors = {"direct": 0, "epp": 0}
-        walls = {"direct": 0.0, "epp": 0.0}
-        with tqdm(
-            total=per_round * options.rounds * 2, desc=f"latency c={concurrency}", unit="req"
-        ) as bar:
+        samples: dict[str, list[float]] = {name: [] for name in urls}
+        errors = dict.fromkeys(urls, 0)
+        walls = dict.fromkeys(urls, 0.0)
+        steps = per_round * options.rounds * len(urls)
+        with tqdm(total=steps, desc=f"latency c={concurrency}", unit="req") as bar:
             for _ in range(options.rounds):
-                for name, url in (("direct", direct_url), ("epp", epp_url)):
+                # Alternate the paths so noise on this shared machine hits each alike.
+                for name, url in urls.items():
                     latencies, errs, wall = await closed_loop(
                         url, body, concurrency, per_round, bar
                     )
                     samples[name] += latencies
                     errors[name] += errs
                     walls[name] += wall
-        stats = {name: summarize(samples[name], errors[name], walls[name]) for name in samples}
+        stats = {name: summarize(samples[name], errors[name], walls[name]) for name in urls}
         results[f"c{concurrency}"] = {
-            "direct": asdict(stats["direct"]),
-            "epp": asdict(stats["epp"]),
+            **{name: asdict(s) for name, s in stats.items()},
             "added_p50_ms": stats["epp"].p50_ms - stats["direct"].p50_ms,
             "added_p99_ms": stats["epp"].p99_ms - stats["direct"].p99_ms,
+            "floor_p50_ms": stats["null"].p50_ms - stats["direct"].p50_ms,
+            "floor_p99_ms": stats["null"].p99_ms - stats["direct"].p99_ms,
+            "added_lean_p50_ms": stats["epp-lean"].p50_ms - stats["direct"].p50_ms,
+            "added_lean_p99_ms": stats["epp-lean"].p99_ms - stats["direct"].p99_ms,
         }
 
-    assert epp.process is not None
-    cpu_before = process_cpu_seconds(epp.process.pid)
-    with tqdm(total=options.throughput_requests, desc="throughput", unit="req") as bar:
-        latencies, errs, wall = await closed_loop(
-            epp_url, body, options.throughput_concurrency, options.throughput_requests, bar
-        )
-    cpu = process_cpu_seconds(epp.process.pid) - cpu_before
-    sustained = summarize(latencies, errs, wall)
-    results["throughput"] = {
-        "concurrency": options.throughput_concurrency,
-        **asdict(sustained),
-        "epp_cpu_s": cpu,
-        "epp_cpu_us_per_request": cpu / max(1, sustained.requests) * 1e6,
-        "epp_cpu_utilisation": cpu / wall if wall > 0 else 0.0,
-    }
+    throughput: dict[str, Any] = {}
+    for name in SERVED:
+        process = servers[name].process
+        assert process is not None
+        cpu_before = process_cpu_seconds(process.pid)
+        with tqdm(total=options.throughput_requests, desc=f"throughput {name}", unit="req") as bar:
+            latencies, errs, wall = await closed_loop(
+                urls[name], body, options.throughput_concurrency, options.throughput_requests, bar
+            )
+        cpu = process_cpu_seconds(process.pid) - cpu_before
+        sustained = summarize(latencies, errs, wall)
+        throughput[name] = {
+            "concurrency": options.throughput_concurrency,
+            **asdict(sustained),
+            "cpu_s": cpu,
+            "cpu_us_per_request": cpu / max(1, sustained.requests) * 1e6,
+            "cpu_utilisation": cpu / wall if wall > 0 else 0.0,
+        }
+    results["throughput"] = throughput
     return results
 
 
@@ -263,34 +289,38 @@ def run_overhead(options: OverheadOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as cleanup:
         upstream_ports = [free_port() for _ in range(options.upstreams)]
+        upstreams = [f"127.0.0.1:{port}" for port in upstream_ports]
         upstream = start_envoy(upstream_envoy_config(upstream_ports, free_port()), out / "upstream")
         cleanup.callback(upstream.stop)
         endpoints = write_endpoints_file(
-            out / "endpoints.yaml",
-            [(f"up-{i}", f"127.0.0.1:{port}") for i, port in enumerate(upstream_ports)],
+            out / "endpoints.yaml", [(f"up-{i}", a) for i, a in enumerate(upstreams)]
         )
         ports = EppPorts.free()
         epp = start_epp(endpoints, out, ports)
         cleanup.callback(epp.stop)
-        listen, direct, admin = free_port(), free_port(), free_port()
-        front = start_envoy(
-            envoy_config(
-                listen_port=listen,
-                epp_port=ports.grpc,
-                admin_port=admin,
-                direct_listener=(direct, [f"127.0.0.1:{p}" for p in upstream_ports]),
-            ),
-            out / "front",
+        null_port, null_ready = free_port(), free_port()
+        null = ManagedProcess(
+            "null-epp",
+            [
+                sys.executable, "-m", "bench.null_epp", "--port", str(null_port),
+                "--destination", upstreams[0], "--ready-port", str(null_ready),
+            ],
+            out / "null-epp.log",
+        ).start()  # fmt: skip
+        cleanup.callback(null.stop)
+        null.wait_http_ok(f"http://127.0.0.1:{null_ready}/readyz")
+        listen = {name: free_port() for name in PATHS}
+        config = envoy_config(
+            listen_port=listen["epp"], epp_port=ports.grpc, admin_port=free_port()
         )
+        add_epp_listener(config, "null", listen["null"], null_port)
+        add_lean_listener(config, "epp-lean", listen["epp-lean"])
+        add_direct_listener(config, "direct", listen["direct"], upstreams)
+        front = start_envoy(config, out / "front")
         cleanup.callback(front.stop)
-        results = asyncio.run(
-            _measure(
-                options,
-                f"http://127.0.0.1:{direct}/v1/completions",
-                f"http://127.0.0.1:{listen}/v1/completions",
-                epp,
-            )
-        )
+        urls = {name: f"http://127.0.0.1:{listen[name]}/v1/completions" for name in PATHS}
+        servers = {"null": null, "epp": epp, "epp-lean": epp}
+        results = asyncio.run(_measure(options, urls, servers))
     results["machine"] = {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -310,24 +340,27 @@ def report(results: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for key in ("c1", "c32"):
-        for path in ("direct", "epp"):
+        for path, label in PATHS.items():
             s = results[key][path]
             lines.append(
-                f"| {key[1:]} | {'Envoy direct' if path == 'direct' else 'Envoy + EPP'} |"
-                f" {s['requests']} | {s['errors']} | {s['p50_ms']:.3f} | {s['p90_ms']:.3f} |"
-                f" {s['p99_ms']:.3f} | {s['rps']:.0f} |"
+                f"| {key[1:]} | {label} | {s['requests']} | {s['errors']} | {s['p50_ms']:.3f} |"
+                f" {s['p90_ms']:.3f} | {s['p99_ms']:.3f} | {s['rps']:.0f} |"
             )
     lines.append("")
     for key in ("c1", "c32"):
         r = results[key]
         lines.append(
-            f"- added by the EPP at concurrency {key[1:]}: p50 {r['added_p50_ms']:+.3f} ms,"
-            f" p99 {r['added_p99_ms']:+.3f} ms"
+            f"- concurrency {key[1:]}: the EPP adds p50 {r['added_p50_ms']:+.3f} ms,"
+            f" p99 {r['added_p99_ms']:+.3f} ms; of which the ext_proc protocol alone"
+            f" (null picker) p50 {r['floor_p50_ms']:+.3f} ms, p99 {r['floor_p99_ms']:+.3f} ms;"
+            f" in lean mode it adds p50 {r['added_lean_p50_ms']:+.3f} ms,"
+            f" p99 {r['added_lean_p99_ms']:+.3f} ms"
         )
-    t = results["throughput"]
-    lines.append(
-        f"- sustained through Envoy + EPP at concurrency {t['concurrency']}: {t['rps']:.0f} req/s"
-        f" ({t['errors']} errors); EPP CPU {t['epp_cpu_us_per_request']:.0f} µs per request,"
-        f" {t['epp_cpu_utilisation'] * 100:.0f}% of one core"
-    )
+    for name in SERVED:
+        t = results["throughput"][name]
+        lines.append(
+            f"- sustained, {PATHS[name]}, concurrency {t['concurrency']}: {t['rps']:.0f} req/s"
+            f" ({t['errors']} errors); server CPU {t['cpu_us_per_request']:.0f} µs per request,"
+            f" {t['cpu_utilisation'] * 100:.0f}% of one core"
+        )
     return "\n".join(lines) + "\n"

@@ -2,7 +2,8 @@
 
 Used by `make demo`, the benchmarks and the end-to-end tests, so all three run
 exactly the same processes with the same configuration files
-(`manifests/envoy/envoy.yaml`, changed only in its ports).
+(`manifests/envoy/envoy.yaml`, or `envoy-lean.yaml` for lean mode, changed only in
+their ports).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_YAML = ROOT / "manifests" / "envoy" / "envoy.yaml"
+# Lean mode: the response bypasses the EPP; Envoy's access log tells it requests ended.
+ENVOY_LEAN_YAML = ROOT / "manifests" / "envoy" / "envoy-lean.yaml"
 
 
 def free_port() -> int:
@@ -114,75 +117,120 @@ class ManagedProcess:
             process.wait()
 
 
+def _static_cluster(name: str, addresses: Sequence[str], http2: bool = False) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "5s",
+        "lb_policy": "ROUND_ROBIN",
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}
+            ]
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {
+                                    "socket_address": {
+                                        "address": a.rsplit(":", 1)[0],
+                                        "port_value": int(a.rsplit(":", 1)[1]),
+                                    }
+                                }
+                            }
+                        }
+                        for a in addresses
+                    ]
+                }
+            ],
+        },
+    }
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3"
+                ".HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
+
+
+def _hcm(listener: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
 def envoy_config(
     *,
     listen_port: int,
     epp_port: int,
     admin_port: int,
     failure_mode_allow: bool = False,
-    direct_listener: tuple[int, Sequence[str]] | None = None,
+    lean: bool = False,
 ) -> dict[str, Any]:
-    """manifests/envoy/envoy.yaml with its ports changed.
-
-    `direct_listener=(port, ["ip:port", ...])` adds a second listener that routes
-    round-robin straight to those upstreams, without the EPP: the baseline of the
-    overhead benchmark, served by the same Envoy process."""
-    config: dict[str, Any] = yaml.safe_load(ENVOY_YAML.read_text())
+    """manifests/envoy/envoy.yaml (envoy-lean.yaml if `lean`) with its ports changed
+    (and FailOpen if asked)."""
+    config: dict[str, Any] = yaml.safe_load((ENVOY_LEAN_YAML if lean else ENVOY_YAML).read_text())
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     (listener,) = config["static_resources"]["listeners"]
     listener["address"]["socket_address"]["address"] = "127.0.0.1"
     listener["address"]["socket_address"]["port_value"] = listen_port
-    http_filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    ext_proc = next(f for f in http_filters if f["name"] == "envoy.filters.http.ext_proc")
+    ext_proc = next(
+        f for f in _hcm(listener)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
+    )
     ext_proc["typed_config"]["failure_mode_allow"] = failure_mode_allow
-    clusters = config["static_resources"]["clusters"]
-    epp = next(c for c in clusters if c["name"] == "epp")
-    epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
-        "socket_address"
-    ]["port_value"] = epp_port
-
-    if direct_listener is not None:
-        port, upstreams = direct_listener
-        direct = copy.deepcopy(listener)
-        direct["name"] = "direct"
-        direct["address"]["socket_address"]["port_value"] = port
-        hcm = direct["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["stat_prefix"] = "direct"
-        hcm["http_filters"] = [
-            f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
-        ]
-        hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = "direct"
-        config["static_resources"]["listeners"].append(direct)
-        clusters.append(
-            {
-                "name": "direct",
-                "type": "STATIC",
-                "connect_timeout": "5s",
-                "lb_policy": "ROUND_ROBIN",
-                "circuit_breakers": epp["circuit_breakers"],
-                "load_assignment": {
-                    "cluster_name": "direct",
-                    "endpoints": [
-                        {
-                            "lb_endpoints": [
-                                {
-                                    "endpoint": {
-                                        "address": {
-                                            "socket_address": {
-                                                "address": u.rsplit(":", 1)[0],
-                                                "port_value": int(u.rsplit(":", 1)[1]),
-                                            }
-                                        }
-                                    }
-                                }
-                                for u in upstreams
-                            ]
-                        }
-                    ],
-                },
-            }
-        )
+    epp = next(c for c in config["static_resources"]["clusters"] if c["name"] == "epp")
+    (endpoint,) = epp["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    endpoint["endpoint"]["address"]["socket_address"]["port_value"] = epp_port
     return config
+
+
+def add_epp_listener(config: dict[str, Any], name: str, port: int, epp_port: int) -> None:
+    """Another listener like the main one, asking a different ext_proc server."""
+    listener = copy.deepcopy(config["static_resources"]["listeners"][0])
+    listener["name"] = name
+    listener["address"]["socket_address"]["port_value"] = port
+    hcm = _hcm(listener)
+    hcm["stat_prefix"] = name
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = name
+    config["static_resources"]["listeners"].append(listener)
+    config["static_resources"]["clusters"].append(
+        _static_cluster(name, [f"127.0.0.1:{epp_port}"], http2=True)
+    )
+
+
+def add_lean_listener(config: dict[str, Any], name: str, port: int) -> None:
+    """Another listener, configured like envoy-lean.yaml's, asking the same EPP (the
+    `epp` cluster) for routing and sending it the access log."""
+    (listener,) = yaml.safe_load(ENVOY_LEAN_YAML.read_text())["static_resources"]["listeners"]
+    listener["name"] = name
+    listener["address"]["socket_address"]["address"] = "127.0.0.1"
+    listener["address"]["socket_address"]["port_value"] = port
+    _hcm(listener)["stat_prefix"] = name
+    config["static_resources"]["listeners"].append(listener)
+
+
+def add_direct_listener(
+    config: dict[str, Any], name: str, port: int, upstreams: Sequence[str]
+) -> None:
+    """A listener that routes round-robin straight to `upstreams`, no ext_proc."""
+    listener = copy.deepcopy(config["static_resources"]["listeners"][0])
+    listener["name"] = name
+    listener["address"]["socket_address"]["port_value"] = port
+    hcm = _hcm(listener)
+    hcm["stat_prefix"] = name
+    hcm["http_filters"] = [
+        f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
+    ]
+    hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = name
+    config["static_resources"]["listeners"].append(listener)
+    config["static_resources"]["clusters"].append(_static_cluster(name, upstreams))
 
 
 def start_envoy(config: dict[str, Any], workdir: Path, concurrency: int = 1) -> ManagedProcess:
@@ -259,6 +307,36 @@ def start_sim(
     ).start()
     process.wait_http_ok(f"http://127.0.0.1:{port}/health")
     return process
+
+
+def start_sim_fleet(
+    n: int,
+    base_port: int,
+    workdir: Path,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 60.0,
+) -> tuple[ManagedProcess, Path]:
+    """`python -m sim fleet`: n pods on ports base_port.. (HTTP), base_port+n..
+    (KV events), base_port+2n.. (replay); returns the fleet process (stopping it
+    stops every pod) and the endpoints file it wrote once all pods were healthy."""
+    endpoints = workdir / "endpoints.yaml"
+    endpoints.unlink(missing_ok=True)
+    argv = [
+        sys.executable, "-m", "sim", "fleet", "--n", str(n), "--base-port", str(base_port),
+        "--endpoints-file", str(endpoints), "--log-dir", str(workdir / "sims"), *extra_args,
+    ]  # fmt: skip
+    process = ManagedProcess("sim-fleet", argv, workdir / "sim-fleet.log").start()
+    deadline = time.monotonic() + timeout_s
+    while not endpoints.exists():
+        if process.process is not None and process.process.poll() is not None:
+            raise ProcessFailed(f"sim fleet exited:\n{process.log_tail()}")
+        if time.monotonic() > deadline:
+            process.stop()
+            raise ProcessFailed(
+                f"sim fleet not ready after {timeout_s:.0f}s:\n{process.log_tail()}"
+            )
+        time.sleep(0.05)
+    return process, endpoints
 
 
 def write_endpoints_file(path: Path, pods: Sequence[tuple[str, str]]) -> Path:

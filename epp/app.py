@@ -17,7 +17,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from epp import accesslog
+from epp.accesslog import AccessLogService
 from epp.admin import AdminServer
+from epp.completion import DEFAULT_TIMEOUT_S, CompletionTracker
 from epp.config import (
     DEFAULT_CONFIG,
     InvalidConfig,
@@ -53,6 +56,8 @@ class ServeOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_prompts: bool = False
     shutdown_grace_s: float = 5.0
+    # Lean mode: how long a routed request may wait for its access-log entry.
+    lean_completion_timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 class StartupError(Exception):
@@ -81,6 +86,10 @@ class EppApp:
         for warning in config.warnings:
             log.warning("config: %s", warning)
         self.director = Director(self.datastore, config, self.telemetry)
+        self.tracker = CompletionTracker(
+            self.director, self.telemetry, timeout_s=options.lean_completion_timeout_s
+        )
+        self.access_log = AccessLogService(self.tracker, self.telemetry)
         self.health = health_aio.HealthServicer()
         self.admin = AdminServer(
             self.datastore,
@@ -151,8 +160,11 @@ class EppApp:
                 self.director,
                 StreamSettings(max_body_bytes=o.max_body_bytes, log_prompts=o.log_prompts),
                 self.telemetry,
+                self.tracker,
             ),
         )
+        # Lean mode's access log comes to the same port: Envoy's `epp` cluster serves both.
+        accesslog.add_to_server(self.grpc_server, self.access_log)
         self.ports["grpc"] = self.grpc_server.add_insecure_port(f"{o.bind}:{o.grpc_port}")
         self.health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
@@ -164,6 +176,7 @@ class EppApp:
         await self.health_server.start()
         self.ports["metrics"] = await self.admin.start(o.bind, o.metrics_port)
         self._tasks.append(asyncio.create_task(self.source.run(), name="endpoints-file"))
+        self._tasks.append(asyncio.create_task(self.tracker.run(), name="lean-completions"))
         self._started = True
         await self._update_health()
         log.info(
@@ -183,6 +196,9 @@ class EppApp:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # Access-log streams never end by themselves: end them first, so they do not
+        # hold the shutdown for the whole grace period.
+        self.access_log.stop()
         if self.grpc_server is not None:
             # Open streams get the grace period to finish their requests.
             await self.grpc_server.stop(self.options.shutdown_grace_s)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from epp import __version__
 from epp.app import EppApp, ServeOptions, StartupError
+from epp.completion import DEFAULT_TIMEOUT_S
 from epp.config import InvalidConfig, load_config_file
 from epp.extproc.stream import DEFAULT_MAX_BODY_BYTES
 from epp.logs import setup_logging
@@ -32,6 +33,23 @@ def _positive(text: str) -> int:
     return value
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default, unless there is none worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epp",
@@ -45,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the endpoint picker",
         description="Serve Envoy's ext_proc protocol, pick an endpoint for each request.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     cfg = serve.add_argument_group("configuration")
     cfg.add_argument(
@@ -83,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are refused with 413",
+    )
+    req.add_argument(
+        "--lean-completion-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="lean mode (Envoy sends no response to the EPP, see"
+        " manifests/envoy/envoy-lean.yaml): a routed request whose access-log entry has not"
+        " come after this long is ended as aborted, releasing its in-flight count",
     )
     obs = serve.add_argument_group("observability")
     obs.add_argument(
@@ -131,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
         debug_endpoints=args.debug_endpoints,
         max_body_bytes=args.max_body_bytes,
         log_prompts=args.log_prompts,
+        lean_completion_timeout_s=args.lean_completion_timeout,
     )
 
     async def run() -> None:

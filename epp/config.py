@@ -226,6 +226,8 @@ class _Loader:
         classes = self.resolve_types(specs)
         params = self.decode_parameters(specs, classes)
         if self.errors:
+            # Nothing can be built; still report dangling references with the rest.
+            self.check_references(specs, profiles)
             return None
         plugins = self.build_plugins(specs, classes, params)
         if self.errors:
@@ -267,6 +269,19 @@ class _Loader:
             seen.add(profile.name)
             profiles.append(profile)
         return profiles
+
+    def check_references(
+        self, specs: dict[str, tuple[int, PluginSpec]], profiles: list[ProfileSpec]
+    ) -> None:
+        """Every pluginRef names a plugin."""
+        for j, profile in enumerate(profiles):
+            for k, ref in enumerate(profile.plugins):
+                if ref.plugin_ref not in specs:
+                    self.error(
+                        ("schedulingProfiles", j, "plugins", k, "pluginRef"),
+                        f"no plugin named {ref.plugin_ref!r} in plugins"
+                        f" (defined: {', '.join(sorted(specs)) or 'none'})",
+                    )
 
     def resolve_types(self, specs: dict[str, tuple[int, PluginSpec]]) -> dict[str, type]:
         classes: dict[str, type] = {}
@@ -366,6 +381,7 @@ class _Loader:
         profile_specs: list[ProfileSpec],
     ) -> SchedulingConfig | None:
         types = {name: spec.type for name, (_, spec) in specs.items()}
+        self.check_references(specs, profile_specs)
         profiles: dict[str, SchedulerProfile] = {}
         for j, profile in enumerate(profile_specs):
             filters: list[Slot[Filter]] = []
@@ -375,12 +391,7 @@ class _Loader:
                 path: Path_ = ("schedulingProfiles", j, "plugins", k)
                 plugin = plugins.get(ref.plugin_ref)
                 if plugin is None:
-                    self.error(
-                        (*path, "pluginRef"),
-                        f"no plugin named {ref.plugin_ref!r} in plugins"
-                        f" (defined: {', '.join(sorted(plugins)) or 'none'})",
-                    )
-                    continue
+                    continue  # reported by check_references
                 type_name = types[ref.plugin_ref]
                 used = False
                 if isinstance(plugin, Filter):
@@ -527,6 +538,7 @@ def load_config(
     built = loader.load()
     if built is None:
         errors = [ConfigError(e.path, e.message, _line_of(root, e.path)) for e in loader.errors]
+        errors.sort(key=lambda e: e.line if e.line is not None else 0)
         raise InvalidConfig(source, errors)
     return built
 

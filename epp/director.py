@@ -152,7 +152,7 @@ class Director:
         decision.finished = True
         primary = decision.endpoint
         self.datastore.release(primary)
-        self.telemetry.responses.labels("completed" if response.completed else "aborted").inc()
+        (self.telemetry.completed if response.completed else self.telemetry.aborted).inc()
         usage = response.usage
         if usage is not None:
             self.telemetry.prompt_tokens.observe(usage.prompt_tokens)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,11 +41,51 @@ class Telemetry:
             ["result"],
             registry=r,
         )
+        # The children every request touches, bound once.
+        self.routed = self.requests.labels("routed")
+        self.completed = self.responses.labels("completed")
+        self.aborted = self.responses.labels("aborted")
         self.stream_errors = Counter(
             "epp_extproc_stream_errors",
             "ext_proc streams that broke: protocol violations by the proxy, internal errors,"
             " cancellations before a decision.",
             ["reason"],
+            registry=r,
+        )
+        self.lean_ends = Counter(
+            "epp_lean_request_ends",
+            "Lean mode (the response bypasses the EPP): how routed requests were ended."
+            " access_log: Envoy's access-log entry for the request arrived; stream_end: no"
+            " access-log stream ever connected, so the end of the ext_proc stream had to do;"
+            " timeout: no entry within --lean-completion-timeout (ended as aborted);"
+            " overflow: too many requests waiting for their entry (the oldest ended as aborted).",
+            ["how"],
+            registry=r,
+        )
+        self.lean_handoffs = Counter(
+            "epp_lean_handoffs",
+            "Lean-mode requests whose ext_proc stream ended before the request did, their"
+            " end left to the access log.",
+            registry=r,
+        )
+        self.lean_waiting = Gauge(
+            "epp_lean_waiting_requests",
+            "Lean-mode requests routed and waiting for their access-log entry.",
+            registry=r,
+        )
+        self.access_log_streams = Counter(
+            "epp_access_log_streams",
+            "Access-log streams Envoy opened to this EPP (one per Envoy worker thread, opened"
+            " at its first flush and again after a break). Lean mode needs at least one.",
+            registry=r,
+        )
+        self.access_log_entries = Counter(
+            "epp_access_log_entries",
+            "HTTP access-log entries received from Envoy. ended: it ended a routed request;"
+            " unknown: no routed request was waiting for its request id (answered by the EPP"
+            " itself, already ended, or routed by another EPP replica); not_final: not the end"
+            " of a downstream request (periodic or upstream entries).",
+            ["result"],
             registry=r,
         )
         self.scheduler_duration = Histogram(

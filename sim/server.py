@@ -1,25 +1,63 @@
-"""A vLLM-compatible model-server pod, simulated (aiohttp).
+"""One simulated vLLM pod: the HTTP server in front of the engine (aiohttp).
 
-This is the HTTP surface of a vLLM pod: OpenAI `/v1/completions` and
-`/v1/chat/completions` (streaming and not), `/v1/models`, `/health`, and
-`/metrics` with vLLM's metric names. Every response says which pod served it in
-the `x-sim-pod` header, so tests and benchmarks can check where a request landed.
+Endpoints, as vLLM serves them:
 
-The engine behind it is deliberately simple for now: a fixed number of output
-tokens after a fixed delay, no KV cache. The simulator issue grows it into a paged
-KV block pool with vLLM's prefix caching, KV events and a latency model.
+- `POST /v1/completions`, `POST /v1/chat/completions`: streaming (SSE, `data: {...}`
+  lines, `data: [DONE]`; a last usage-only chunk when `stream_options.include_usage`
+  is set) or not (with `usage.prompt_tokens_details.cached_tokens` always given);
+- `GET /v1/models`, `GET /health`, `GET /metrics` (vLLM's metric names);
+- `POST /reset_prefix_cache` (vLLM's development endpoint): clears the prefix cache
+  and publishes AllBlocksCleared, refused (400) while requests hold blocks.
+
+Fault knobs and introspection for tests (not in vLLM):
+
+- `POST /sim/restart`: an engine restart: in-flight requests fail, the cache is
+  empty, counters restart at zero, KV-event seq starts again at 0 with an empty
+  replay buffer (no event announces it: the seq going back is the signal);
+- `POST /sim/drop-events` `{"count": n, "fromReplay": false}`: the next n event
+  batches are not sent on the PUB socket (a seq gap; still replayable unless
+  `fromReplay`);
+- `POST /sim/metrics-delay` `{"seconds": s}`: `/metrics` answers s wall seconds late;
+- `GET /sim/state`: the engine's true state as JSON (cached block hashes as uint64 =
+  the digests' last 8 bytes, the default KV-event form; free/used blocks; KV-event
+  seq; counters).
+
+Every response carries `x-sim-pod: <name>`, so tests and benchmarks can see which pod
+served a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
+
+from sim.chat_template import ChatTemplateError
+from sim.engine import Engine, EngineConfig, EngineRequest, RequestState, TokenOutput
+from sim.hashing import to_event_hash
+from sim.kv_events import EventBatchEncoder, EventFormat
+from sim.metrics import Gauges, render
+from sim.protocol import (
+    ChoiceResult,
+    GenerationRequest,
+    RequestError,
+    ResponseHeader,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
+from sim.publisher import KVEventPublisher, PublisherConfig, ReplayLayout
+from sim.tokenizer import HFTokenizer, Tokenizer, answer_token_ids, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 POD_HEADER = "x-sim-pod"
 
@@ -28,182 +66,464 @@ POD_HEADER = "x-sim-pod"
 class SimConfig:
     name: str = "sim-0"
     model: str = "sim-model"
+    # Tokens generated when the request sets no max_tokens (finish_reason "stop").
     output_tokens: int = 8
-    # Time per output token, in seconds (0: answer at once).
-    token_delay_s: float = 0.0
+    # A directory with tokenizer.json + tokenizer_config.json; None: built-in tokenizer.
+    tokenizer: str | None = None
+    # A Jinja file replacing the tokenizer's chat template.
+    chat_template: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # KV events: PUB port (None: no KV events, as vLLM without --kv-events-config)
+    # and replay ROUTER port; 0 picks a free port.
+    kv_events_port: int | None = None
+    replay_port: int | None = None
+    zmq_host: str = "127.0.0.1"
+    kv_events_format: EventFormat = "map"
+    kv_events_topic: str = ""
+    int_block_hashes: bool = True
+    replay_layout: ReplayLayout = "current"
+    replay_buffer_steps: int = 10_000
+    # Wall seconds /metrics waits before answering (a slow scrape target).
+    metrics_delay_s: float = 0.0
 
 
-class _Body(msgspec.Struct):
-    model: str | None = None
-    stream: bool = False
-    max_tokens: int | None = None
-    prompt: Any = None
-    messages: Any = None
-
-
-_decoder = msgspec.json.Decoder(_Body)
 _json = msgspec.json.Encoder()
 
 
-def _error(status: int, message: str, error_type: str = "BadRequestError") -> web.Response:
-    # vLLM's error shape
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://{host}:{'*' if port == 0 else port}"
 
 
 class SimPod:
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.running = 0
-        self.requests_total = 0
+        self.tokenizer: Tokenizer = tokenizer or load_tokenizer(
+            config.tokenizer, config.chat_template
+        )
+        self.publisher: KVEventPublisher | None = None
+        if config.kv_events_port is not None:
+            self.publisher = KVEventPublisher(
+                PublisherConfig(
+                    endpoint=_tcp(config.zmq_host, config.kv_events_port),
+                    replay_endpoint=(
+                        None
+                        if config.replay_port is None
+                        else _tcp(config.zmq_host, config.replay_port)
+                    ),
+                    topic=config.kv_events_topic,
+                    buffer_steps=config.replay_buffer_steps,
+                    replay_layout=config.replay_layout,
+                ),
+                EventBatchEncoder(config.kv_events_format, config.int_block_hashes),
+            )
+        self.engine = Engine(config.engine, answer_token_ids(self.tokenizer), sink=self.publisher)
+        self.metrics_delay_s = config.metrics_delay_s
+        self.runner: web.AppRunner | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
-        self.app.router.add_post("/v1/completions", self.completions)
-        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/metrics", self.metrics)
+        # Every response names the pod, aiohttp's own (unknown route, 405) included.
+        self.app.on_response_prepare.append(self._name_response)
+        routes = self.app.router
+        routes.add_post("/v1/completions", self.completions)
+        routes.add_post("/v1/chat/completions", self.chat_completions)
+        routes.add_get("/v1/models", self.models)
+        routes.add_get("/health", self.health)
+        routes.add_get("/metrics", self.metrics)
+        routes.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        routes.add_post("/sim/restart", self.sim_restart)
+        routes.add_post("/sim/drop-events", self.sim_drop_events)
+        routes.add_post("/sim/metrics-delay", self.sim_metrics_delay)
+        routes.add_get("/sim/state", self.sim_state)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> None:
+        if self.publisher is not None:
+            await self.publisher.start()
+        self.engine.start()
+        # handler_cancellation: a client that goes away cancels its handler, which
+        # aborts its engine request (vLLM aborts on disconnect too). A short
+        # shutdown_timeout: stopping a pod does not wait for long generations.
+        self.runner = web.AppRunner(
+            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+        )
+        await self.runner.setup()
+        await web.TCPSite(self.runner, host, port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+        await self.engine.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    @property
+    def port(self) -> int:
+        """The HTTP port actually bound (useful with port 0)."""
+        assert self.runner is not None, "not started"
+        return int(self.runner.addresses[0][1])
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return None if self.publisher is None else self.publisher.endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return None if self.publisher is None else self.publisher.replay_bound_endpoint
+
+    # -- helpers -----------------------------------------------------------------
+
+    async def _name_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.setdefault(POD_HEADER, self.config.name)
 
     def _headers(self) -> dict[str, str]:
         return {POD_HEADER: self.config.name}
+
+    def _json_response(self, body: Any, status: int = 200) -> web.Response:
+        return web.Response(
+            body=_json.encode(body),
+            status=status,
+            content_type="application/json",
+            headers=self._headers(),
+        )
+
+    def _error(self, error: RequestError) -> web.Response:
+        return self._json_response(error.body(), error.status)
+
+    # -- simple endpoints ----------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(headers=self._headers())
 
     async def models(self, request: web.Request) -> web.Response:
-        body = {
-            "object": "list",
-            "data": [{"id": self.config.model, "object": "model", "owned_by": "sim"}],
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": self.engine.max_model_len,
         }
-        return web.Response(
-            body=_json.encode(body), content_type="application/json", headers=self._headers()
-        )
+        return self._json_response({"object": "list", "data": [card]})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        name = self.config.model
-        text = (
-            "# TYPE vllm:num_requests_running gauge\n"
-            f'vllm:num_requests_running{{model_name="{name}"}} {self.running}\n'
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{model_name="{name}"}} 0\n'
-            "# TYPE vllm:kv_cache_usage_perc gauge\n"
-            f'vllm:kv_cache_usage_perc{{model_name="{name}"}} 0.0\n'
+        if self.metrics_delay_s > 0:
+            await asyncio.sleep(self.metrics_delay_s)
+        engine = self.engine
+        gauges = Gauges(
+            running=len(engine.running),
+            waiting=len(engine.waiting),
+            kv_cache_usage=engine.kv.pool.usage(),
+            block_size=engine.config.block_size,
+            num_gpu_blocks=engine.config.num_gpu_blocks,
+            hash_algo=engine.config.hash_algo,
         )
-        return web.Response(text=text, content_type="text/plain", headers=self._headers())
+        text = render(self.config.model, engine.stats, gauges)
+        return web.Response(
+            text=text, content_type="text/plain", charset="utf-8", headers=self._headers()
+        )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not await self.engine.reset_prefix_cache():
+            used = self.engine.kv.pool.num_used_blocks
+            return self._error(
+                RequestError(f"Failed to reset prefix cache: {used} blocks are still in use.")
+            )
+        return web.Response(headers=self._headers())
+
+    # -- fault knobs and state -------------------------------------------------------
+
+    async def _knob_body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw:
+            return {}
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"invalid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        return body
+
+    async def sim_restart(self, request: web.Request) -> web.Response:
+        self.engine.restart()
+        if self.publisher is not None:
+            self.publisher.restart()
+        log.info("%s: engine restarted", self.config.name)
+        return self._json_response({"restarted": True, "restarts": self.engine.restarts})
+
+    async def sim_drop_events(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._knob_body(request)
+            count = body.get("count", 1)
+            from_replay = body.get("fromReplay", False)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise RequestError("'count' must be an integer >= 0")
+            if not isinstance(from_replay, bool):
+                raise RequestError("'fromReplay' must be a boolean")
+            if self.publisher is None:
+                raise RequestError("this pod publishes no KV events (no --kv-events-port)")
+        except RequestError as error:
+            return self._error(error)
+        self.publisher.drop_next(count, from_replay)
+        return self._json_response(
+            {"pendingDrops": self.publisher.pending_drops, "nextSeq": self.publisher.next_seq}
+        )
+
+    async def sim_metrics_delay(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._knob_body(request)
+            seconds = body.get("seconds", 0.0)
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+                raise RequestError("'seconds' must be a number >= 0")
+        except RequestError as error:
+            return self._error(error)
+        self.metrics_delay_s = float(seconds)
+        return self._json_response({"metricsDelaySeconds": self.metrics_delay_s})
+
+    def state(self) -> dict[str, Any]:
+        engine, pool = self.engine, self.engine.kv.pool
+        publisher = self.publisher
+        stats = engine.stats
+        return {
+            "name": self.config.name,
+            "model": self.config.model,
+            "blockSize": engine.config.block_size,
+            "hashAlgo": engine.config.hash_algo,
+            "hashSeed": engine.config.hash_seed,
+            "extraKeysFormat": engine.config.extra_keys_format,
+            "timeScale": engine.config.time_scale,
+            "restarts": engine.restarts,
+            "blocks": {
+                "total": pool.num_gpu_blocks,
+                "usable": pool.num_usable_blocks,
+                "free": pool.num_free_blocks,
+                "used": pool.num_used_blocks,
+                "cached": pool.num_cached_blocks,
+            },
+            "kvCacheUsage": pool.usage(),
+            "cachedBlockHashes": sorted(to_event_hash(h) for h in pool.cached_hashes()),
+            "requests": {"waiting": len(engine.waiting), "running": len(engine.running)},
+            "kvEvents": None
+            if publisher is None
+            else {
+                "endpoint": publisher.endpoint,
+                "replayEndpoint": publisher.replay_bound_endpoint,
+                "format": self.config.kv_events_format,
+                "intBlockHashes": self.config.int_block_hashes,
+                "lastSeq": publisher.last_seq,
+                "nextSeq": publisher.next_seq,
+                "published": publisher.stats.published,
+                "dropped": publisher.stats.dropped,
+                "pendingDrops": publisher.pending_drops,
+                "replayBuffered": publisher.buffered,
+                "replayRequests": publisher.stats.replay_requests,
+            },
+            "counters": {
+                "requests": stats.requests_received,
+                "promptTokens": stats.prompt_tokens,
+                "generationTokens": stats.generation_tokens,
+                "prefixCacheQueries": stats.prefix_cache_queries,
+                "prefixCacheHits": stats.prefix_cache_hits,
+                "preemptions": stats.preemptions,
+                "steps": stats.steps,
+                "busySeconds": stats.busy_s,
+                "lagSeconds": stats.lag_s,
+                "aborted": stats.aborted,
+                "finished": dict(stats.finished),
+            },
+        }
+
+    async def sim_state(self, request: web.Request) -> web.Response:
+        return self._json_response(self.state())
+
+    # -- generation ----------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, parse_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, parse_chat)
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    def _prompt_ids(self, parsed: GenerationRequest) -> list[list[int]]:
+        tokenizer = self.tokenizer
+        if parsed.chat:
+            template = tokenizer.chat_template
+            if template is None:
+                raise RequestError(
+                    "this model's tokenizer has no chat template; pass --chat-template"
+                )
+            try:
+                text = template.render(
+                    parsed.messages,
+                    add_generation_prompt=parsed.add_generation_prompt,
+                    continue_final_message=parsed.continue_final_message,
+                    tools=parsed.tools,
+                    documents=parsed.documents,
+                    template_kwargs=parsed.chat_template_kwargs,
+                )
+            except ChatTemplateError as exc:
+                raise RequestError(str(exc)) from exc
+            return [tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)]
+        return [
+            p if isinstance(p, list) else tokenizer.encode(p, parsed.add_special_tokens)
+            for p in parsed.prompts
+        ]
+
+    def _output_budget(self, parsed: GenerationRequest, prompt_len: int) -> tuple[int, str]:
+        """How many tokens to generate and the finish reason when they are done."""
+        max_len = self.engine.max_model_len
+        if prompt_len >= max_len:
+            raise RequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your"
+                f" request has {prompt_len} input tokens. Please reduce the length of the"
+                " input messages.",
+                param="messages" if parsed.chat else "prompt",
+            )
+        room = max_len - prompt_len
+        if parsed.max_tokens is not None:
+            if parsed.max_tokens > room:
+                raise RequestError(
+                    f"'max_tokens' or 'max_completion_tokens' is too large: {parsed.max_tokens}."
+                    f" This model's maximum context length is {max_len} tokens and your request"
+                    f" has {prompt_len} input tokens ({parsed.max_tokens} > {max_len} -"
+                    f" {prompt_len}).",
+                    param="max_tokens",
+                )
+            return parsed.max_tokens, "length"
+        if self.config.output_tokens <= room:
+            return self.config.output_tokens, "stop"
+        return room, "length"
+
+    async def _generate(
+        self, request: web.Request, parse: Callable[[Any], GenerationRequest]
+    ) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = _decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-            return _error(400, f"invalid request body: {exc}")
-        if chat and not body.messages:
-            return _error(400, "messages must be a non-empty list")
-        if not chat and body.prompt is None:
-            return _error(400, "prompt is required")
-        prompt_tokens = max(1, len(raw) // 4)  # no tokenizer yet: ~4 bytes per token
-        n = body.max_tokens if body.max_tokens is not None else self.config.output_tokens
-        self.requests_total += 1
-        self.running += 1
-        try:
-            if body.stream:
-                return await self._stream(
-                    request, chat, body.model or self.config.model, n, prompt_tokens
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise RequestError(f"JSON decode error: {exc}") from exc
+            parsed = parse(body)
+            if parsed.model is not None and parsed.model != self.config.model:
+                raise RequestError(
+                    f"The model `{parsed.model}` does not exist.",
+                    status=404,
+                    error_type="NotFoundError",
+                    param="model",
                 )
-            for _ in range(n):
-                await self._token_delay()
-            return self._complete(chat, body.model or self.config.model, n, prompt_tokens)
+            # A real tokenizer on a long prompt takes milliseconds: off the event
+            # loop, so the engine's steps keep their timing.
+            if isinstance(self.tokenizer, HFTokenizer):
+                prompts = await asyncio.to_thread(self._prompt_ids, parsed)
+            else:
+                prompts = self._prompt_ids(parsed)
+            budgets = [self._output_budget(parsed, len(ids)) for ids in prompts]
+        except RequestError as error:
+            return self._error(error)
+
+        outputs: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        choices = [ChoiceResult(index=i, prompt_tokens=len(ids)) for i, ids in enumerate(prompts)]
+        engine_requests = [
+            self.engine.add_request(ids, n, reason, outputs, parsed.cache_salt, i, parsed.stream)
+            for i, (ids, (n, reason)) in enumerate(zip(prompts, budgets, strict=True))
+        ]
+        header = ResponseHeader(
+            id=("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex,
+            model=parsed.model or self.config.model,
+            chat=parsed.chat,
+        )
+        try:
+            if parsed.stream:
+                return await self._stream(
+                    request, parsed, header, choices, engine_requests, outputs
+                )
+            return await self._complete(header, choices, engine_requests, outputs)
         finally:
-            self.running -= 1
+            for engine_request in engine_requests:
+                if engine_request.state in (RequestState.WAITING, RequestState.RUNNING):
+                    self.engine.abort(engine_request)
 
-    async def _token_delay(self) -> None:
-        if self.config.token_delay_s > 0:
-            await asyncio.sleep(self.config.token_delay_s)
+    def _record(
+        self, choices: list[ChoiceResult], requests: list[EngineRequest], out: TokenOutput
+    ) -> str:
+        """Add output tokens to their choice; returns their text."""
+        choice = choices[out.choice_index]
+        choice.token_ids.extend(out.token_ids)
+        choice.cached_tokens = requests[out.choice_index].num_cached_tokens or 0
+        text = self.tokenizer.decode(out.token_ids)
+        choice.text += text
+        choice.finish_reason = out.finish_reason
+        return text
 
-    def _usage(self, prompt_tokens: int, n: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": n,
-            "total_tokens": prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": 0},
-        }
-
-    def _complete(self, chat: bool, model: str, n: int, prompt_tokens: int) -> web.Response:
-        text = " tok" * n
-        choice: dict[str, Any] = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "length",
-            }
-            if chat
-            else {"index": 0, "text": text, "finish_reason": "length"}
-        )
-        body = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [choice],
-            "usage": self._usage(prompt_tokens, n),
-        }
-        return web.Response(
-            body=_json.encode(body), content_type="application/json", headers=self._headers()
-        )
+    async def _complete(
+        self,
+        header: ResponseHeader,
+        choices: list[ChoiceResult],
+        requests: list[EngineRequest],
+        outputs: asyncio.Queue[TokenOutput],
+    ) -> web.Response:
+        remaining = len(choices)
+        while remaining:
+            out = await outputs.get()
+            if out.error is not None:
+                return self._json_response(
+                    error_body(out.error, 500, "InternalServerError"), status=500
+                )
+            self._record(choices, requests, out)
+            if out.finish_reason is not None:
+                remaining -= 1
+        return self._json_response(header.completion(choices))
 
     async def _stream(
-        self, request: web.Request, chat: bool, model: str, n: int, prompt_tokens: int
+        self,
+        request: web.Request,
+        parsed: GenerationRequest,
+        header: ResponseHeader,
+        choices: list[ChoiceResult],
+        requests: list[EngineRequest],
+        outputs: asyncio.Queue[TokenOutput],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **self._headers(),
-            }
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            | self._headers()
         )
         await response.prepare(request)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        for i in range(n):
-            await self._token_delay()
-            delta: dict[str, Any] = (
-                {"index": 0, "delta": {"content": " tok"}, "finish_reason": None}
-                if chat
-                else {"index": 0, "text": " tok", "finish_reason": None}
-            )
-            if i == n - 1:
-                delta["finish_reason"] = "length"
-            chunk = {
-                "id": request_id,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [delta],
-            }
-            await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
-        # Like vLLM with stream_options.include_usage: a last chunk with usage only.
-        final: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [],
-            "usage": self._usage(prompt_tokens, n),
-        }
-        await response.write(b"data: " + _json.encode(final) + b"\n\n")
+        usage_each = parsed.continuous_usage_stats and parsed.include_usage
+
+        def event(chunk: dict[str, Any]) -> bytes:
+            if usage_each:
+                chunk["usage"] = header.usage_chunk(choices)["usage"]
+            return b"data: " + _json.encode(chunk) + b"\n\n"
+
+        remaining = len(choices)
+        started: set[int] = set()
+        while remaining:
+            # One event per token, as vLLM sends them; tokens that queued up while
+            # this handler waited go out in one write (cheaper, same events).
+            batch = [await outputs.get()]
+            while not outputs.empty():
+                batch.append(outputs.get_nowait())
+            data = bytearray()
+            for out in batch:
+                if out.error is not None:
+                    # The engine went away mid-stream: the stream just ends, without
+                    # [DONE], as when a vLLM process dies.
+                    with contextlib.suppress(ConnectionError):
+                        await response.write(bytes(data))
+                        await response.write_eof()
+                    return response
+                text = self._record(choices, requests, out)
+                if parsed.chat and out.choice_index not in started:
+                    started.add(out.choice_index)
+                    data += event(header.role_chunk(out.choice_index))
+                data += event(header.chunk(out.choice_index, text, out.finish_reason))
+                if out.finish_reason is not None:
+                    remaining -= 1
+            await response.write(bytes(data))
+        if parsed.include_usage:
+            await response.write(b"data: " + _json.encode(header.usage_chunk(choices)) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-async def serve(config: SimConfig, host: str, port: int) -> web.AppRunner:
-    pod = SimPod(config)
-    runner = web.AppRunner(pod.app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner

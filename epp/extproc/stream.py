@@ -4,6 +4,8 @@
           |  (header-only request: routed at once)                |
           +-------------------------------------------------------+
     RESPONSE_HEADERS --headers--> RESPONSE_BODY --body end / trailers--> DONE
+    RESPONSE_HEADERS | RESPONSE_BODY --stream ends--> DONE (aborted)
+                                     --stream ends, lean mode--> HANDED_OFF
     any state --EPP answers the client itself (error)--> ANSWERED
 
 FULL_DUPLEX_STREAMED (GIE's mode): nothing is answered until the request body has
@@ -11,6 +13,13 @@ ended; then come the request-headers reply carrying the decision and the body,
 handed back unchanged in chunks. BUFFERED bodies: the headers are answered at
 once and the decision rides on the body reply. Response headers and body pass
 through untouched while usage is read on the way.
+
+Lean mode (manifests/envoy/envoy-lean.yaml): Envoy announces response_body_mode
+NONE in the first message's protocol_config, and ends the stream as soon as the
+request has been routed. The end of the stream is then not the end of the
+request: the decision is given to the CompletionTracker when it is made, and
+Envoy's access-log entry for the request ends it (epp/completion.py). Without a
+protocol_config the stream is taken to be GIE's.
 
 Envoy ends its side of the stream when it reads an ImmediateResponse, and
 ignores whatever comes after it; messages it sent before reading it (the rest of
@@ -29,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from epp.completion import CompletionTracker
 from epp.director import Decision, Director
 from epp.errors import EppError, InternalError, PayloadTooLarge
 from epp.extproc import messages as m
@@ -48,8 +58,9 @@ class Phase(enum.Enum):
     REQUEST_BODY = "request_body"  # buffering the request body
     RESPONSE_HEADERS = "response_headers"  # routed; waiting for the response
     RESPONSE_BODY = "response_body"  # passing the response body through
-    DONE = "done"  # the response ended
+    DONE = "done"  # the response ended (or the stream did, aborting the request)
     ANSWERED = "answered"  # the EPP answered the client itself (ImmediateResponse)
+    HANDED_OFF = "handed_off"  # lean: the stream ended first; the tracker ends the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +74,17 @@ _NO_REPLY: Replies = []
 
 
 class RequestStream:
-    def __init__(self, director: Director, settings: StreamSettings, telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        director: Director,
+        settings: StreamSettings,
+        telemetry: Telemetry,
+        tracker: CompletionTracker,
+    ) -> None:
         self.director = director
         self.settings = settings
         self.telemetry = telemetry
+        self.tracker = tracker
         self.phase = Phase.REQUEST_HEADERS
         # Body modes: from the first message's protocol_config; GIE's mode otherwise.
         self.request_body_mode: int = m.FULL_DUPLEX_STREAMED
@@ -121,9 +139,23 @@ class RequestStream:
             # The request already went upstream: let the response through untouched.
             return self._pass_through(message)
 
+    @property
+    def lean(self) -> bool:
+        """Envoy will not show this EPP the response body: the response's end comes
+        from the access log, not from this stream."""
+        return self.response_body_mode == m.NONE
+
     def close(self) -> None:
-        """The stream ended, normally or not. A request still open is aborted."""
-        if self.decision is not None and self.phase not in (Phase.DONE, Phase.ANSWERED):
+        """The stream ended, normally or not. A request still open is aborted,
+        unless in lean mode, where its end is yet to come through the tracker."""
+        if self.decision is not None and self.phase in (
+            Phase.RESPONSE_HEADERS,
+            Phase.RESPONSE_BODY,
+        ):
+            if self.lean:
+                self.phase = Phase.HANDED_OFF
+                self.tracker.stream_ended(self.request_id, self.decision, self.status)
+                return
             self._finish(completed=False)
         elif self.phase in (Phase.REQUEST_HEADERS, Phase.REQUEST_BODY) and self.headers:
             self.telemetry.requests.labels("abandoned").inc()
@@ -232,7 +264,11 @@ class RequestStream:
         decision = await self.director.pick_endpoint(request, self.subset)
         self.decision = decision
         self.phase = Phase.RESPONSE_HEADERS
-        self.telemetry.requests.labels("routed").inc()
+        if self.lean:
+            # From the pick, not from the end of this stream: Envoy's access-log entry
+            # travels on another stream and may be read before this one's end.
+            self.tracker.wait(self.request_id, decision)
+        self.telemetry.routed.inc()
         self.telemetry.request_processing_duration.observe(time.perf_counter() - self.body_ended_at)
         self._log_decision(request, decision)
         return decision

@@ -1074,3 +1074,27 @@ def test_scored_endpoint_totals_are_bounded(registry: PluginRegistry) -> None:
     assert scored["b"] == pytest.approx(1 / 3)
     assert scored["c"] == pytest.approx(1 / 3)
     assert not any(math.isnan(v) for v in scored.values())
+
+
+def test_dangling_reference_is_reported_with_plugin_errors(registry: PluginRegistry) -> None:
+    # A plugin that cannot be built stops the build, but the reference check still
+    # runs: the user sees every mistake in one pass.
+    text = """\
+        plugins:
+        - type: no-such-plugin
+        - type: max-score-picker
+        schedulingProfiles:
+        - name: p
+          plugins:
+          - {pluginRef: max-score-pickr}
+        """
+    errors = errors_of(text, registry)
+    assert [format_path(e.path) for e in errors] == [
+        "plugins[0].type",
+        "schedulingProfiles[0].plugins[0].pluginRef",
+    ]
+    assert "no plugin named 'max-score-pickr'" in errors[1].message
+    lines = [e.line for e in errors]
+    assert None not in lines
+    assert lines == sorted(lines)
+    assert lines[0] != lines[1]

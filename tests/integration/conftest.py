@@ -1,4 +1,6 @@
-"""A real Envoy in front of a real `epp serve` process and recording upstreams."""
+"""A real Envoy in front of a real `epp serve` process and recording upstreams:
+`stack` speaks GIE's protocol (manifests/envoy/envoy.yaml), `lean_stack` lean mode
+(manifests/envoy/envoy-lean.yaml)."""
 
 from __future__ import annotations
 
@@ -61,9 +63,10 @@ class Stack:
         return f"http://127.0.0.1:{self.envoy_admin_port}"
 
 
-@pytest.fixture(scope="package")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("stack")
+@contextlib.contextmanager
+def running_stack(workdir: Path, *, lean: bool = False) -> Iterator[Stack]:
+    """Upstreams, `epp serve` and Envoy with manifests/envoy/envoy.yaml (GIE's
+    protocol) or envoy-lean.yaml (`lean`), all stopped on exit."""
     with contextlib.ExitStack() as cleanup:
         upstreams = Upstreams(3).start()
         cleanup.callback(upstreams.stop)
@@ -83,14 +86,34 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         cleanup.callback(epp.stop)
         envoy_port, admin_port = free_port(), free_port()
         envoy = start_envoy(
-            envoy_config(listen_port=envoy_port, epp_port=ports.grpc, admin_port=admin_port),
+            envoy_config(
+                listen_port=envoy_port, epp_port=ports.grpc, admin_port=admin_port, lean=lean
+            ),
             workdir,
         )
         cleanup.callback(envoy.stop)
         yield Stack(upstreams, epp, envoy, ports, envoy_port, admin_port, workdir)
 
 
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("stack")) as running:
+        yield running
+
+
+@pytest.fixture(scope="package")
+def lean_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("lean-stack"), lean=True) as running:
+        yield running
+
+
 @pytest.fixture
 def clean_stack(stack: Stack) -> Stack:
     stack.upstreams.clear()
     return stack
+
+
+@pytest.fixture
+def clean_lean_stack(lean_stack: Stack) -> Stack:
+    lean_stack.upstreams.clear()
+    return lean_stack

@@ -1,6 +1,11 @@
 """Small real HTTP upstreams for end-to-end tests: they record every request they
 get and answer like an OpenAI server (JSON, or SSE when the body asks to stream).
 
+A streamed answer can be held open: with `"hold": "<key>"` in the request body the
+upstream sends the first event, then waits until the test calls
+`Upstreams.release("<key>")` before it sends the rest. A test thus sees a response
+that is still streaming for as long as it needs, without relying on timing.
+
 They run on their own event loop in a background thread, so they live across tests
 while Envoy and the EPP run as separate processes.
 """
@@ -56,6 +61,8 @@ class Upstream:
     name: str
     port: int
     received: list[Received] = field(default_factory=list)
+    # Only touched on the upstreams' event loop.
+    gates: dict[str, asyncio.Event] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -79,10 +86,14 @@ class Upstream:
         if isinstance(document, dict) and document.get("stream"):
             response = web.StreamResponse(headers={**headers, "content-type": "text/event-stream"})
             await response.prepare(request)
-            for event in sse_events(
+            events = sse_events(
                 int(document.get("max_tokens", 5)), int(document.get("big_event", 0))
-            ):
+            )
+            hold = document.get("hold")
+            for i, event in enumerate(events):
                 await response.write(event)
+                if i == 0 and isinstance(hold, str):
+                    await self.gates.setdefault(hold, asyncio.Event()).wait()
             await response.write_eof()
             return response
         answer = {
@@ -114,6 +125,15 @@ class Upstreams:
     def clear(self) -> None:
         for upstream in self.upstreams:
             upstream.received.clear()
+
+    def release(self, key: str) -> None:
+        """Let every response held on `key` finish (also one not started yet)."""
+
+        def release() -> None:
+            for upstream in self.upstreams:
+                upstream.gates.setdefault(key, asyncio.Event()).set()
+
+        self._loop.call_soon_threadsafe(release)
 
     def start(self) -> Upstreams:
         self._thread.start()

@@ -1,5 +1,8 @@
 """Every message, field and enum value we define in protos/ matches Envoy's.
 
+Our definitions are found by walking from the services we speak (ext_proc, and
+the access log of lean mode) through every file they depend on.
+
 Envoy's published definitions come from PyPI `xds-protos`, which defines the same
 protobuf full names as our generated code, so it runs in its own interpreter
 (`EPP_XDS_PYTHON`, a virtualenv `make test` creates) and sends back a JSON dump of
@@ -16,13 +19,19 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FileDescriptor
 
+from epp._proto.envoy.service.accesslog.v3 import als_pb2
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2
+
+# The files at the roots of the walk: one per service we speak.
+SERVICE_FILES = (external_processor_pb2.DESCRIPTOR, als_pb2.DESCRIPTOR)
 
 # Runs under the xds-protos interpreter: dumps the named messages and enums.
 _DUMP_SCRIPT = r"""
 import json, sys
 from google.protobuf import descriptor_pool
-import envoy.service.ext_proc.v3.external_processor_pb2  # registers everything we use
+# Importing the services registers everything they use.
+import envoy.service.ext_proc.v3.external_processor_pb2
+import envoy.service.accesslog.v3.als_pb2
 
 pool = descriptor_pool.Default()
 out = {"messages": {}, "enums": {}, "services": {}}
@@ -102,7 +111,9 @@ def _walk(file: FileDescriptor, seen: set[str], out: dict[str, Any]) -> None:
 
 def _ours() -> dict[str, Any]:
     out: dict[str, Any] = {"messages": {}, "enums": {}, "services": {}}
-    _walk(external_processor_pb2.DESCRIPTOR, set(), out)
+    seen: set[str] = set()
+    for file in SERVICE_FILES:
+        _walk(file, seen, out)
     return out
 
 
@@ -177,3 +188,38 @@ def test_a_dropped_field_would_be_caught(published: dict[str, Any]) -> None:
     ours = _ours()["messages"]["envoy.service.ext_proc.v3.ProcessingRequest"]
     theirs = published["messages"]["envoy.service.ext_proc.v3.ProcessingRequest"]
     assert set(ours) < set(theirs)
+
+
+def test_we_define_the_access_log_messages_lean_mode_needs() -> None:
+    ours = _ours()
+    assert ours["services"]["envoy.service.accesslog.v3.AccessLogService"] == {
+        "StreamAccessLogs": [
+            "envoy.service.accesslog.v3.StreamAccessLogsMessage",
+            "envoy.service.accesslog.v3.StreamAccessLogsResponse",
+            True,
+            False,
+        ]
+    }
+    messages = ours["messages"]
+    assert set(messages["envoy.service.accesslog.v3.StreamAccessLogsMessage"]) == {
+        "identifier",
+        "http_logs",
+    }
+    assert "request_id" in messages["envoy.data.accesslog.v3.HTTPRequestProperties"]
+    assert "response_code" in messages["envoy.data.accesslog.v3.HTTPResponseProperties"]
+    assert "access_log_type" in messages["envoy.data.accesslog.v3.AccessLogCommon"]
+    assert "envoy.config.core.v3.Node" in messages
+
+
+def test_the_access_log_check_is_not_vacuous(published: dict[str, Any]) -> None:
+    # Our trimmed access-log messages are strict subsets of Envoy's, and each was
+    # compared (it is in what the xds-protos interpreter sent back).
+    ours = _ours()["messages"]
+    for name in (
+        "envoy.service.accesslog.v3.StreamAccessLogsMessage",
+        "envoy.data.accesslog.v3.AccessLogCommon",
+        "envoy.data.accesslog.v3.HTTPAccessLogEntry",
+        "envoy.data.accesslog.v3.HTTPRequestProperties",
+        "envoy.data.accesslog.v3.HTTPResponseProperties",
+    ):
+        assert set(ours[name]) < set(published["messages"][name]), name

@@ -2,7 +2,8 @@
 a real endpoints file, real gRPC ports and the real admin HTTP server.
 
     async def test_x(epp: Epp) -> None:              # default config, 3 endpoints
-        stream = epp.stream()
+        stream = epp.stream()                        # an ext_proc stream, as Envoy opens it
+        log = epp.access_log()                       # an access-log stream (lean mode)
         ...
 
     async def test_y(start_epp: StartEpp) -> None:   # anything else
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from epp.app import EppApp, ServeOptions
 from epp.extproc.stream import RequestStream
+from tests.epp.extproc.als_client import AccessLogStream
 from tests.epp.extproc.envoy_client import EnvoyStream
 
 ENDPOINTS = {
@@ -47,6 +49,9 @@ class Epp:
 
     def stream(self) -> EnvoyStream:
         return EnvoyStream(self.channel)
+
+    def access_log(self) -> AccessLogStream:
+        return AccessLogStream(self.channel)
 
     def plugin(self, name: str) -> Any:
         return self.app.director.config.plugins[name]
@@ -122,6 +127,7 @@ async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
         endpoints: dict[str, str] | None = None,
         config_text: str | None = None,
         max_body_bytes: int | None = None,
+        lean_completion_timeout_s: float | None = None,
     ) -> Epp:
         pool = ENDPOINTS if endpoints is None else endpoints
         endpoints_file = tmp_path / f"endpoints-{len(running)}.yaml"
@@ -129,6 +135,8 @@ async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
         extra: dict[str, Any] = {}
         if max_body_bytes is not None:
             extra["max_body_bytes"] = max_body_bytes
+        if lean_completion_timeout_s is not None:
+            extra["lean_completion_timeout_s"] = lean_completion_timeout_s
         options = ServeOptions(
             endpoints_file=str(endpoints_file),
             config_text=config_text,

@@ -1,0 +1,412 @@
+"""The simulated engine: vLLM's scheduler loop over the KV block pool.
+
+Each step, like vLLM v1's scheduler:
+
+1. Running requests first, in arrival order: each gets its remaining tokens (a
+   prefill chunk, or 1 token in decode), within the step's token budget
+   (`max_num_batched_tokens`: long prompts are prefilled in chunks). A running
+   request that needs a new block when none is free preempts the most recently
+   admitted running request (possibly itself): that one frees its blocks (which
+   stay cached) and goes back to the head of the waiting queue, to be recomputed -
+   mostly from its own cached blocks - when it is admitted again.
+2. Then waiting requests, first come first served, while there is budget and fewer
+   than `max_num_seqs` run: look up the longest cached prefix (those tokens are not
+   computed again), allocate blocks for the rest, run. If the pool cannot hold the
+   head request now, it and everyone behind it wait for blocks to be freed (no
+   reordering, as in vLLM). Nothing is admitted in a step that preempted.
+3. The step takes `LatencyModel.step_time` of what was scheduled (sleeping that long
+   times the time scale). Then every request whose tokens are all computed samples
+   one token; finished requests free their blocks (tail first).
+4. The step's KV events (blocks cached and evicted while scheduling it) are
+   published as one batch after the step, as vLLM does when it processes a step's
+   output. Steps with no events publish nothing (no seq is used).
+
+Blocks are cached when the tokens filling them are scheduled (`KVCacheManager`), so
+a request admitted later in the same step already hits them.
+
+Time: `SimClock`. Every duration the engine computes is in simulated seconds; it
+sleeps `duration x time_scale` of wall time. Everything it reports (metrics, TTFT)
+is in simulated seconds, i.e. measured wall time divided by the time scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sim.hashing import DEFAULT_HASH_SEED, BlockHasher, ExtraKeysFormat, HashAlgo
+from sim.kv_cache import BlockPool, KVCacheManager, TokenSequence
+from sim.kv_events import KVEvent
+from sim.latency import LatencyModel, StepChunk
+from sim.metrics import EngineStats
+
+# How far behind schedule (wall seconds) the step clock may catch up: steps after a
+# late one are shortened by up to this much, so Python overhead does not slow the
+# simulated GPU down, without letting a long stall be made up all at once.
+MAX_CATCH_UP_WALL_S = 0.05
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    # An 8B model in BF16 on an 80 GB H100 at 90% memory utilisation leaves ~56 GB
+    # for the KV cache: ~440k tokens at 128 KiB per token, ~27k blocks of 16.
+    num_gpu_blocks: int = 27_000
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 32_768
+    hash_algo: HashAlgo = "sha256"
+    hash_seed: str = DEFAULT_HASH_SEED
+    extra_keys_format: ExtraKeysFormat = "tagged"
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+class SimClock:
+    """Simulated time = wall (monotonic) time / time_scale."""
+
+    def __init__(self, time_scale: float) -> None:
+        self.time_scale = time_scale
+
+    def now(self) -> float:
+        return time.monotonic() / self.time_scale
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """What a request's consumer receives: new tokens (the end when finish_reason is
+    set), or an error."""
+
+    choice_index: int
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    seq: TokenSequence
+    max_tokens: int
+    # The finish reason once max_tokens are generated: "length" when the client set
+    # max_tokens, "stop" when the simulated model "chose" to stop there.
+    finish_reason: str
+    outputs: asyncio.Queue[TokenOutput]
+    choice_index: int = 0
+    # False: one output at the end with every token (no per-token wake-ups for a
+    # client that waits for the whole answer anyway).
+    stream: bool = True
+    prompt_len: int = 0
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache when first scheduled (usage.cached_tokens).
+    num_cached_tokens: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.seq.token_ids)
+
+
+class EventSink(Protocol):
+    async def publish(self, events: Sequence[KVEvent]) -> int: ...
+
+
+@dataclass(frozen=True)
+class _Scheduled:
+    request: EngineRequest
+    new_tokens: int
+    context_tokens: int
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        answer_token_ids: Sequence[int],
+        latency: LatencyModel | None = None,
+        sink: EventSink | None = None,
+    ) -> None:
+        if not answer_token_ids:
+            raise ValueError("answer_token_ids must not be empty")
+        self.config = config
+        self.latency = latency or LatencyModel()
+        self.sink = sink
+        self.clock = SimClock(config.time_scale)
+        self.hasher = BlockHasher(
+            config.hash_algo, config.hash_seed, config.block_size, config.extra_keys_format
+        )
+        self._answer = list(answer_token_ids)
+        self.kv = self._new_kv_cache()
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.stats = EngineStats()
+        self.restarts = 0
+        # Bumped by restart(): a step in flight across a restart is discarded.
+        self._generation = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._next_step_wall: float | None = None
+        self._request_counter = 0
+
+    def _new_kv_cache(self) -> KVCacheManager:
+        pool = BlockPool(self.config.num_gpu_blocks, self.config.block_size)
+        return KVCacheManager(pool, self.hasher)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def restart(self) -> None:
+        """Like an engine process restart: requests fail, cache and counters are empty."""
+        self._generation += 1
+        for request in [*self.waiting, *self.running]:
+            request.state = RequestState.ABORTED
+            request.outputs.put_nowait(
+                TokenOutput(request.choice_index, (), error="engine restarted")
+            )
+        self.waiting.clear()
+        self.running.clear()
+        self.kv = self._new_kv_cache()
+        self.stats = EngineStats()
+        self.restarts += 1
+        self._next_step_wall = None
+        self._wakeup.set()
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache: refused while requests hold blocks; on success
+        publishes AllBlocksCleared at once (as a batch of its own)."""
+        if not self.kv.pool.reset_prefix_cache():
+            return False
+        events = self.kv.pool.take_events()
+        if self.sink is not None:
+            await self.sink.publish(events)
+        return True
+
+    # -- requests ----------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output a request may ask for. vLLM refuses to start when
+        max_model_len does not fit in the KV pool; the simulator caps it instead."""
+        pool = self.kv.pool.num_usable_blocks * self.config.block_size
+        return min(self.config.max_model_len, pool)
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        finish_reason: str,
+        outputs: asyncio.Queue[TokenOutput],
+        cache_salt: str | None = None,
+        choice_index: int = 0,
+        stream: bool = True,
+    ) -> EngineRequest:
+        if not prompt_token_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_token_ids) + max_tokens > self.max_model_len:
+            raise ValueError("request longer than max_model_len")
+        self._request_counter += 1
+        request = EngineRequest(
+            request_id=f"req-{self._request_counter}",
+            seq=self.kv.new_sequence(list(prompt_token_ids), cache_salt),
+            max_tokens=max_tokens,
+            finish_reason=finish_reason,
+            outputs=outputs,
+            choice_index=choice_index,
+            stream=stream,
+            prompt_len=len(prompt_token_ids),
+            arrival_time=self.clock.now(),
+        )
+        self.waiting.append(request)
+        self.stats.requests_received += 1
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        self._wakeup.set()
+        return request
+
+    def abort(self, request: EngineRequest) -> None:
+        """Drop a request (its client went away); its blocks are freed at once."""
+        if request.state is RequestState.WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        elif request.state is RequestState.RUNNING:
+            with contextlib.suppress(ValueError):
+                self.running.remove(request)
+        else:
+            return
+        self.kv.free(request.seq)
+        request.state = RequestState.ABORTED
+        self.stats.aborted += 1
+        self.stats.finished["abort"] += 1
+        self._wakeup.set()
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self.waiting and not self.running:
+                await self._idle()
+                continue
+            generation = self._generation
+            scheduled, preempted = self._schedule()
+            if not scheduled:
+                await self._publish(self.kv.pool.take_events())
+                if not preempted:
+                    await self._idle()
+                continue
+            duration = self.latency.step_time(
+                StepChunk(s.new_tokens, s.context_tokens) for s in scheduled
+            )
+            await self._sleep_step(duration)
+            if generation != self._generation:
+                continue  # the engine restarted during this step
+            self._update(scheduled)
+            self.stats.steps += 1
+            await self._publish(self.kv.pool.take_events())
+
+    async def _idle(self) -> None:
+        self._next_step_wall = None
+        self._wakeup.clear()
+        await self._wakeup.wait()
+
+    async def _publish(self, events: list[KVEvent]) -> None:
+        if events and self.sink is not None:
+            await self.sink.publish(events)
+
+    async def _sleep_step(self, duration: float) -> None:
+        now = time.monotonic()
+        start = now
+        if self._next_step_wall is not None:
+            start = max(self._next_step_wall, now - MAX_CATCH_UP_WALL_S)
+            # Lateness the catch-up could not absorb: simulated time lost.
+            self.stats.lag_s += max(0.0, now - MAX_CATCH_UP_WALL_S - self._next_step_wall) / (
+                self.config.time_scale
+            )
+        self.stats.busy_s += duration
+        end = start + duration * self.config.time_scale
+        self._next_step_wall = end
+        # Always yield, so HTTP handlers run between steps even when catching up.
+        await asyncio.sleep(max(0.0, end - now))
+
+    def _schedule(self) -> tuple[list[_Scheduled], bool]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[_Scheduled] = []
+        preempted = False
+        kv = self.kv
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            fits = True
+            while not kv.allocate_slots(request.seq, request.num_computed_tokens, new_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    fits = False
+                    break
+            if not fits:
+                break  # it was the last running request
+            scheduled.append(_Scheduled(request, new_tokens, request.num_computed_tokens))
+            budget -= new_tokens
+            index += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits = kv.find_prefix_hit(request.seq)
+            computed = len(hits) * self.config.block_size
+            new_tokens = min(request.num_tokens - computed, budget)
+            if not kv.allocate_slots(request.seq, computed, new_tokens, hits):
+                break  # head-of-line: wait for blocks to be freed
+            self.waiting.popleft()
+            request.state = RequestState.RUNNING
+            request.num_computed_tokens = computed
+            self.running.append(request)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = computed
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += computed
+            scheduled.append(_Scheduled(request, new_tokens, computed))
+            budget -= new_tokens
+        return scheduled, preempted
+
+    def _preempt(self, request: EngineRequest) -> None:
+        self.kv.free(request.seq)
+        request.state = RequestState.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.stats.preemptions += 1
+
+    def _update(self, scheduled: list[_Scheduled]) -> None:
+        now = self.clock.now()
+        for item in scheduled:
+            request = item.request
+            if request.state is not RequestState.RUNNING:
+                continue  # aborted during the step
+            request.num_computed_tokens += item.new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: no token yet
+            token = self._answer[len(request.output_token_ids) % len(self._answer)]
+            request.output_token_ids.append(token)
+            self.kv.append_tokens(request.seq, [token])
+            self.stats.generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.stats.ttft.observe(now - request.arrival_time)
+            done = len(request.output_token_ids) >= request.max_tokens
+            if done:
+                request.outputs.put_nowait(
+                    TokenOutput(
+                        request.choice_index,
+                        (token,) if request.stream else tuple(request.output_token_ids),
+                        request.finish_reason,
+                    )
+                )
+            elif request.stream:
+                request.outputs.put_nowait(TokenOutput(request.choice_index, (token,)))
+            if done:
+                self._finish(request, request.finish_reason, now)
+
+    def _finish(self, request: EngineRequest, reason: str, now: float) -> None:
+        self.running.remove(request)
+        self.kv.free(request.seq)
+        request.state = RequestState.FINISHED
+        self.stats.finished[reason] += 1
+        self.stats.e2e.observe(now - request.arrival_time)
