@@ -152,6 +152,9 @@ class EppApp:
         grpc_options = [
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),
+            # gRPC turns SO_REUSEPORT on by default: a second EPP started on the same
+            # port would silently share its traffic instead of failing.
+            ("grpc.so_reuseport", 0),
         ]
         self.grpc_server = grpc.aio.server(options=grpc_options)
         add_to_server(
@@ -165,12 +168,10 @@ class EppApp:
         )
         # Lean mode's access log comes to the same port: Envoy's `epp` cluster serves both.
         accesslog.add_to_server(self.grpc_server, self.access_log)
-        self.ports["grpc"] = self.grpc_server.add_insecure_port(f"{o.bind}:{o.grpc_port}")
-        self.health_server = grpc.aio.server()
+        self.ports["grpc"] = _listen(self.grpc_server, o.bind, o.grpc_port)
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        self.ports["health"] = self.health_server.add_insecure_port(
-            f"{o.bind}:{o.grpc_health_port}"
-        )
+        self.ports["health"] = _listen(self.health_server, o.bind, o.grpc_health_port)
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self.grpc_server.start()
         await self.health_server.start()
@@ -218,3 +219,12 @@ class EppApp:
             log.info("shutting down")
         finally:
             await self.stop()
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind `server`; the bound port. gRPC reports a failed bind as a RuntimeError
+    without saying why: say what could not be bound, as an OSError like aiohttp's."""
+    try:
+        return int(server.add_insecure_port(f"{host}:{port}"))
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {host}:{port} (is the port in use?): {exc}") from None

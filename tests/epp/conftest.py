@@ -128,6 +128,7 @@ async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
         config_text: str | None = None,
         max_body_bytes: int | None = None,
         lean_completion_timeout_s: float | None = None,
+        debug_endpoints: bool = True,
     ) -> Epp:
         pool = ENDPOINTS if endpoints is None else endpoints
         endpoints_file = tmp_path / f"endpoints-{len(running)}.yaml"
@@ -144,7 +145,7 @@ async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
             grpc_health_port=0,
             metrics_port=0,
             bind="127.0.0.1",
-            debug_endpoints=True,
+            debug_endpoints=debug_endpoints,
             shutdown_grace_s=0.5,
             **extra,
         )
