@@ -9,9 +9,9 @@ import json
 import grpc
 
 from epp._proto.envoy.data.accesslog.v3 import accesslog_pb2 as data
+from tests.epp.conftest import Epp, StartEpp
 from tests.epp.extproc import envoy_client as ec
 from tests.epp.extproc.als_client import AccessLogStream, entry
-from tests.epp.conftest import Epp, StartEpp
 from tests.epp.extproc.sample_plugins import MODULE, config
 
 BODY = json.dumps({"model": "m", "prompt": "hello", "stream": True}).encode()

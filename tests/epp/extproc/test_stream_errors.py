@@ -8,8 +8,8 @@ import json
 import grpc
 import pytest
 
-from tests.epp.extproc import envoy_client as ec
 from tests.epp.conftest import Epp, HandledMessages, StartEpp
+from tests.epp.extproc import envoy_client as ec
 from tests.epp.extproc.sample_plugins import MODULE, SCORER_SECRET, config
 
 GOOD_BODY = json.dumps({"model": "base-model", "prompt": "hello"}).encode()

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from epp.scheduling import ResponseInfo, Usage
-from tests.epp.extproc import envoy_client as ec
 from tests.epp.conftest import ENDPOINTS, Epp, HandledMessages, StartEpp
+from tests.epp.extproc import envoy_client as ec
 from tests.epp.extproc.sample_plugins import MODULE, config
 
 RECORDER_CONFIG = config(("recorder", f"{MODULE}:Recorder"))
