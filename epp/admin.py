@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from epp.datastore import Datastore, Endpoint
+from epp.datastore import Datastore
 from epp.director import Director
 from epp.errors import BadRequest, EppError
 from epp.requests import parse_request
@@ -22,9 +22,6 @@ log = logging.getLogger(__name__)
 
 # Metrics older than this are reported stale (GIE's default).
 METRICS_STALENESS_S = 2.0
-
-EndpointDebugInfo = Callable[[Endpoint], dict[str, Any]]
-"""Extra per-endpoint facts for /debug/endpoints, from a source (e.g. `index`)."""
 
 
 class _ExplainRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,7 +57,6 @@ class AdminServer:
         self.director = director
         self.telemetry = telemetry
         self.is_ready = is_ready
-        self.debug_info: list[EndpointDebugInfo] = []
         self.app = web.Application()
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/healthz", self.healthz)
@@ -114,7 +110,8 @@ class AdminServer:
                 },
                 "inFlight": endpoint.in_flight,
             }
-            for provider in self.debug_info:
+            # Facts the plugins of the running config add (their index state, say).
+            for provider in self.director.config.background.endpoint_info:
                 entry.update(provider(endpoint))
             out.append(entry)
         return _json_response(out)

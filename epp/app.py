@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -177,6 +178,8 @@ class EppApp:
         await self.health_server.start()
         self.ports["metrics"] = await self.admin.start(o.bind, o.metrics_port)
         self._tasks.append(asyncio.create_task(self.source.run(), name="endpoints-file"))
+        for name, run in self.director.config.background.tasks:
+            self._tasks.append(asyncio.create_task(_logged(name, run), name=name))
         self._tasks.append(asyncio.create_task(self.tracker.run(), name="lean-completions"))
         self._started = True
         await self._update_health()
@@ -228,3 +231,14 @@ def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
         return int(server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {host}:{port} (is the port in use?): {exc}") from None
+
+
+async def _logged(name: str, run: Callable[[], Awaitable[None]]) -> None:
+    """Run a plugin's background task; if it dies, say so (it is not restarted:
+    a task that wants to survive errors handles them itself)."""
+    try:
+        await run()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("background task %s stopped with an error", name)

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from epp.datastore import Datastore
 from epp.scheduling.interfaces import (
+    Background,
     DataProducer,
     Filter,
     NoParameters,
@@ -141,6 +142,8 @@ class SchedulingConfig:
     post_response: tuple[Slot[PostResponse], ...]
     plugins: Mapping[str, object] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    # What the plugins asked the server to run beside the request path.
+    background: Background = field(default_factory=Background)
 
 
 ObserveFactory = Callable[[str, str, str], Callable[[float], None]]
@@ -188,6 +191,7 @@ class _Loader:
         self.datastore = datastore
         self.metrics = metrics
         self.observe = observe
+        self.background = Background()
         self.errors: list[ConfigError] = []
         self.warnings: list[str] = []
 
@@ -328,6 +332,7 @@ class _Loader:
                 datastore=self.datastore,
                 metrics=self.metrics,
                 plugins=dict(plugins),
+                background=self.background,
             )
             try:
                 plugin = plugin_class(params[name], context)
@@ -369,7 +374,14 @@ class _Loader:
                 NoParameters()
                 if getattr(plugin_class, "Parameters", None) is None
                 else msgspec.convert({}, plugin_class.Parameters),  # type: ignore[attr-defined]
-                PluginContext(type_name, type_name, self.datastore, self.metrics, dict(plugins)),
+                PluginContext(
+                    type_name,
+                    type_name,
+                    self.datastore,
+                    self.metrics,
+                    dict(plugins),
+                    self.background,
+                ),
             )
             types[type_name] = type_name
         return type_name
@@ -484,6 +496,7 @@ class _Loader:
             ),
             plugins=plugins,
             warnings=tuple(self.warnings),
+            background=self.background,
         )
 
 

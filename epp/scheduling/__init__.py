@@ -6,6 +6,7 @@ from epp.scheduling import Scorer, CycleState, PluginContext, ...
 from epp.datastore import Endpoint, EndpointMetrics
 from epp.requests import InferenceRequest
 from epp.scheduling.interfaces import (
+    Background,
     DataProducer,
     Filter,
     NoParameters,
@@ -28,6 +29,7 @@ from epp.scheduling.types import (
 )
 
 __all__ = [
+    "Background",
     "CycleState",
     "DataProducer",
     "Endpoint",

@@ -25,9 +25,9 @@ Rules every plugin follows:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Annotated, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -55,6 +55,29 @@ class PickerParameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel
     max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
+EndpointInfo = Callable[[Endpoint], Mapping[str, Any]]
+"""Extra facts about an endpoint for /debug/endpoints (e.g. its prefix-index state)."""
+
+
+@dataclass
+class Background:
+    """What plugins set up at build time to run beside the request path: sources
+    that feed them (a KV-event subscriber, say) and per-endpoint debug facts.
+
+    Building a plugin never starts I/O (`epp validate` builds plugins too): a plugin
+    registers its long-running coroutine here, and the server starts it once the
+    whole configuration is valid and stops it at shutdown."""
+
+    tasks: list[tuple[str, Callable[[], Awaitable[None]]]] = field(default_factory=list)
+    endpoint_info: list[EndpointInfo] = field(default_factory=list)
+
+    def run(self, name: str, task: Callable[[], Awaitable[None]]) -> None:
+        self.tasks.append((name, task))
+
+    def describe_endpoints(self, provider: EndpointInfo) -> None:
+        self.endpoint_info.append(provider)
+
+
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin receives when it is built."""
@@ -64,6 +87,7 @@ class PluginContext:
     datastore: Datastore  # read-only for plugins
     metrics: CollectorRegistry  # register the plugin's own Prometheus metrics here
     plugins: Mapping[str, object]  # plugins built before this one, by name
+    background: Background = field(default_factory=Background)
 
 
 @runtime_checkable

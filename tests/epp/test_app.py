@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.app import EppApp, ServeOptions, StartupError
+from epp.config import load_config
+from epp.scheduling import CycleState, Endpoint, InferenceRequest, PluginContext
+from epp.scheduling.registry import PluginRegistry
 from tests.epp.conftest import Epp, StartEpp, write_endpoints
 from tests.epp.extproc import envoy_client as ec
 
@@ -210,3 +216,63 @@ def test_a_taken_grpc_port_is_a_clear_error(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+class BackgroundScorer:
+    """A scorer that, like a KV-event source, registers work to run beside the
+    request path and facts for /debug/endpoints."""
+
+    runs: ClassVar[list[str]] = []
+
+    def __init__(self, params: object, context: PluginContext) -> None:
+        self.ticks = 0
+        self.ticked_three_times = asyncio.Event()
+        context.background.run("ticker", self.tick)
+        context.background.describe_endpoints(lambda e: {"ticks": self.ticks, "seen": e.name})
+
+    async def tick(self) -> None:
+        BackgroundScorer.runs.append("started")
+        try:
+            while True:
+                self.ticks += 1
+                if self.ticks == 3:
+                    self.ticked_three_times.set()
+                await asyncio.sleep(0.01)
+        finally:
+            BackgroundScorer.runs.append("stopped")
+
+    def score(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> Mapping[Endpoint, float]:
+        return dict.fromkeys(endpoints, 0.5)
+
+
+BACKGROUND_CONFIG = f"""\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: {__name__}:BackgroundScorer
+  name: ticker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: ticker
+"""
+
+
+async def test_plugin_background_work_runs_with_the_server(start_epp: StartEpp) -> None:
+    BackgroundScorer.runs.clear()
+    epp = await start_epp(config_text=BACKGROUND_CONFIG)
+    await asyncio.wait_for(epp.plugin("ticker").ticked_three_times.wait(), 5)
+    assert BackgroundScorer.runs == ["started"]
+    entries = await epp.debug_endpoints()
+    assert all(e["ticks"] >= 3 and e["seen"] == e["name"] for e in entries)
+    await epp.aclose()
+    assert BackgroundScorer.runs == ["started", "stopped"]
+
+
+def test_validating_a_config_starts_no_background_work() -> None:
+    BackgroundScorer.runs.clear()
+    config = load_config(BACKGROUND_CONFIG, PluginRegistry.from_entry_points())
+    assert [name for name, _ in config.background.tasks] == ["ticker"]
+    assert BackgroundScorer.runs == []
