@@ -10,11 +10,14 @@ PY := $(VENV)/bin/python
 # used only by the proto field-number test.
 XDS_VENV := .venv-xds
 XDS_PROTOS := xds-protos==1.85.0
+# The peer routers the benchmark compares against (bench/peers-requirements.txt),
+# in their own venv; `python -m bench run --policy sglang-router` installs it too.
+PEER_VENV := .venv-peers
 
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := epp/_proto/.stamp
 
-.PHONY: all install proto lint typecheck unit test demo bench-overhead clean
+.PHONY: all install proto lint typecheck unit test demo bench-overhead peers clean
 
 all: test
 
@@ -54,5 +57,10 @@ demo: install
 bench-overhead: install
 	$(PY) -m bench overhead
 
+$(PEER_VENV)/.installed: bench/peers-requirements.txt | install
+	$(PY) -m bench peers
+
+peers: $(PEER_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) $(XDS_VENV) epp/_proto .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(XDS_VENV) $(PEER_VENV) epp/_proto .mypy_cache .ruff_cache .pytest_cache

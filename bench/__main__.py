@@ -1,23 +1,242 @@
-"""`python -m bench`: benchmarks and the demo.
+"""`python -m bench`: the routing benchmark, the demo, the overhead benchmark.
 
+python -m bench run        a workload through routing policies to a simulated fleet
+python -m bench demo       Envoy + EPP + 4 simulated pods: round-robin vs the others
 python -m bench overhead   what the EPP adds per request, through real Envoy
-python -m bench demo       Envoy + EPP + simulated pods, one request routed
+python -m bench peers      install the peer routers (sglang-router, vllm-router)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import shlex
 import sys
 from pathlib import Path
+from typing import Any
+
+# Which workload takes which option (and the option's name in bench/workloads.py).
+WORKLOAD_OPTIONS: dict[str, dict[str, str]] = {
+    "shared-prefix": {
+        "groups": "groups",
+        "prompts_per_group": "prompts_per_group",
+        "system_len": "system_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
+    "hot-prefix": {
+        "groups": "groups",
+        "requests": "requests",
+        "hot_share": "hot_share",
+        "system_len": "system_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
+    "multi-turn": {
+        "conversations": "conversations",
+        "turns": "turns",
+        "system_len": "system_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+        "think_time": "think_s",
+    },
+    "trace": {"trace_limit": "limit", "trace_speed": "speed", "max_input_len": "max_input_len"},
+}
+ALL_WORKLOAD_OPTIONS = sorted({k for opts in WORKLOAD_OPTIONS.values() for k in opts})
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a list of rates: {text!r}") from exc
+    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+        raise argparse.ArgumentTypeError("rates must be > 0 (inf: all at once)")
+    return rates
+
+
+def _rate(text: str) -> float:
+    (rate,) = _rates(text)
+    return rate
+
+
+def add_run_parser(commands: Any) -> None:
+    run = commands.add_parser(
+        "run",
+        help="drive a workload through routing policies to a simulated fleet",
+        description="Drive a workload through each policy (an EndpointPickerConfig file,"
+        " through real Envoy + EPP; or a peer router: sglang-router, vllm-router) to a fresh"
+        " fleet of simulated vLLM pods, and write results.json, report.md and plots."
+        " Rates and times are in simulated seconds.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run.add_argument(
+        "--workload",
+        choices=("shared-prefix", "hot-prefix", "multi-turn", "trace"),
+        default="shared-prefix",
+    )
+    run.add_argument(
+        "--policy",
+        action="append",
+        dest="policies",
+        metavar="SPEC",
+        help="a config file or a name in manifests/config/ (round-robin, random, ...), or"
+        " sglang-router / vllm-router[:policy]; repeat for several (default: round-robin,"
+        " random)",
+    )
+    load = run.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=_rate, help="open-loop Poisson rate (requests/s; inf)")
+    load.add_argument(
+        "--rates", type=_rates, help="a ladder of rates, e.g. 2,4,8 (each rung from cold)"
+    )
+    load.add_argument("--concurrency", type=int, help="closed loop with this many clients")
+    run.add_argument("--pods", type=int, default=8, help="simulated pods")
+    run.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per simulated second (above 1: slower than real time)",
+    )
+    run.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    run.add_argument("--out", type=Path, default=Path("out/bench"), help="output directory")
+    shape = run.add_argument_group("workload shape (tokens; defaults are the workload's)")
+    shape.add_argument("--groups", type=int)
+    shape.add_argument("--prompts-per-group", type=int)
+    shape.add_argument("--requests", type=int, help="hot-prefix: total requests")
+    shape.add_argument("--hot-share", type=float, help="hot-prefix: the hot group's share")
+    shape.add_argument("--conversations", type=int)
+    shape.add_argument("--turns", type=int)
+    shape.add_argument("--think-time", type=float, help="multi-turn: seconds between turns")
+    shape.add_argument("--system-len", type=int)
+    shape.add_argument("--question-len", type=int)
+    shape.add_argument("--output-len", type=int)
+    shape.add_argument("--trace", type=Path, help="Mooncake-style JSONL trace to replay")
+    shape.add_argument("--trace-limit", type=int, help="replay only the first N records")
+    shape.add_argument("--trace-speed", type=float, help="replay N times faster")
+    shape.add_argument("--max-input-len", type=int, help="trace: cut longer prompts")
+    fleet = run.add_argument_group("fleet and data path")
+    fleet.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory for pods and workload ('builtin': the simulator's own;"
+        " default: the Qwen2.5 one of ../shared/testdata when present)",
+    )
+    fleet.add_argument("--block-size", type=int, default=16)
+    fleet.add_argument("--num-gpu-blocks", type=int, help="KV blocks per pod (default: sim's)")
+    fleet.add_argument(
+        "--sim-arg", action="append", default=[], metavar="ARG", help="extra pod option"
+    )
+    fleet.add_argument(
+        "--epp-arg", action="append", default=[], metavar="ARG", help="extra `epp serve` option"
+    )
+    fleet.add_argument(
+        "--request-timeout", type=float, default=600.0, help="per request (simulated s)"
+    )
+    fleet.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=0.05,
+        help="a policy with a larger share of failed requests is marked failed",
+    )
+    fleet.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from bench.client import Arrivals
+    from bench.runner import RunOptions, resolve_policy, run_benchmark, unique_names
+    from bench.workloads import WorkloadSpec, default_tokenizer_dir
+
+    given = {k: getattr(args, k) for k in ALL_WORKLOAD_OPTIONS if getattr(args, k) is not None}
+    allowed = WORKLOAD_OPTIONS[args.workload]
+    wrong = sorted(k for k in given if k not in allowed)
+    if wrong:
+        names = ", ".join("--" + k.replace("_", "-") for k in wrong)
+        print(f"error: {names} do(es) not apply to the {args.workload} workload", file=sys.stderr)
+        return 2
+    if args.workload == "trace" and args.trace is None:
+        print("error: the trace workload needs --trace FILE", file=sys.stderr)
+        return 2
+    if args.rates is not None:
+        ladder = [Arrivals("poisson", rate=r) for r in args.rates]
+    elif args.rate is not None:
+        ladder = [Arrivals("poisson", rate=args.rate)]
+    elif args.concurrency is not None:
+        ladder = [Arrivals("closed", concurrency=args.concurrency)]
+    elif args.workload == "trace":
+        ladder = [Arrivals("trace")]
+    else:
+        print("error: give --rate, --rates or --concurrency", file=sys.stderr)
+        return 2
+    try:
+        policies = unique_names(
+            [resolve_policy(p) for p in args.policies or ["round-robin", "random"]]
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.tokenizer == "builtin":
+        tokenizer = None
+    elif args.tokenizer is not None:
+        tokenizer = Path(args.tokenizer).resolve()
+    else:
+        tokenizer = default_tokenizer_dir()
+    options = RunOptions(
+        out=args.out,
+        workload=WorkloadSpec(
+            args.workload,
+            seed=args.seed,
+            options={allowed[k]: v for k, v in given.items()},
+            trace_path=args.trace,
+        ),
+        policies=policies,
+        ladder=ladder,
+        pods=args.pods,
+        time_scale=args.time_scale,
+        tokenizer=tokenizer,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        sim_args=args.sim_arg,
+        epp_args=args.epp_arg,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout,
+        max_error_rate=args.max_error_rate,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        command="python -m bench " + shlex.join(argv),
+    )
+    try:
+        document = run_benchmark(options)
+    except KeyboardInterrupt:
+        print("\ninterrupted: everything started was stopped", file=sys.stderr)
+        return 130
+    failed = [n for n, r in document["policies"].items() if r["status"] == "failed"]
+    print(f"results: {args.out / 'results.json'}, report: {args.out / 'report.md'}")
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_run_parser(commands)
+
+    demo = commands.add_parser(
+        "demo",
+        help="start Envoy + EPP + simulated pods, compare policies on a short workload",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--out", type=Path, default=Path("out/demo"), help="output directory")
+    demo.add_argument(
+        "--policy",
+        action="append",
+        dest="policies",
+        metavar="SPEC",
+        help="policies to compare (default: bench/demo.py DEMO_POLICIES)",
+    )
+    demo.add_argument("--keep-running", action="store_true", help="keep the stack up until Ctrl-C")
 
     overhead = commands.add_parser(
         "overhead",
@@ -38,14 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-bytes", type=int, default=200, help="prompt size of each request"
     )
 
-    demo = commands.add_parser("demo", help="start Envoy + EPP + simulated pods and route requests")
-    demo.add_argument("--out", type=Path, default=Path("out/demo"), help="logs directory")
-    demo.add_argument("--pods", type=int, default=3, help="simulated pods")
-    demo.add_argument("--keep-running", action="store_true", help="keep the stack up until Ctrl-C")
+    commands.add_parser("peers", help="install the peer routers into .venv-peers")
 
     args = parser.parse_args(argv)
+    if args.command == "run":
+        return run_command(args, argv)
+    if args.command == "peers":
+        from bench.peers import ensure_peer_venv
+
+        print(f"peer routers ready in {ensure_peer_venv()}")
+        return 0
     if args.command == "overhead":
-        from bench.overhead import OverheadOptions, run_overhead
+        from bench.overhead import OverheadOptions, report, run_overhead
 
         results = run_overhead(
             OverheadOptions(
@@ -58,14 +281,12 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_bytes=args.prompt_bytes,
             )
         )
-        from bench.overhead import report
-
         print(report(results))
         print(f"results: {args.out / 'overhead.json'}, {args.out / 'overhead.md'}")
         return 0
     from bench.demo import run_demo
 
-    return run_demo(args.out, args.pods, args.keep_running)
+    return run_demo(args.out, args.policies, args.keep_running)
 
 
 if __name__ == "__main__":

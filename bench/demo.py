@@ -1,118 +1,104 @@
-"""`make demo` / `python -m bench demo`: Envoy + EPP + simulated pods, requests routed.
+"""`make demo` / `python -m bench demo`: the routing benchmark, small and quick.
 
-Starts N simulated vLLM pods, `epp serve` with the example config, and Envoy in
-front; sends a few OpenAI requests through Envoy and shows where each landed and
-why (`/debug/explain`). Everything it starts is stopped on exit, Ctrl-C included.
+For each policy of DEMO_POLICIES: 4 fresh simulated vLLM pods, `epp serve` with the
+policy's config and a real Envoy in front; a short shared-prefix workload streamed
+through Envoy; the pods' prefix-cache counters read before and after. Then a table
+(hit rate, TTFT, throughput, and the workload's analytic bounds) and where the full
+report and plots are. Everything it starts is stopped on exit, on Ctrl-C and on
+SIGTERM too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from bench.stack import (
-    ROOT,
-    EppPorts,
-    envoy_config,
-    free_port,
-    start_envoy,
-    start_epp,
-    start_sim,
-    write_endpoints_file,
-)
+from bench.client import Arrivals
+from bench.runner import RunOptions, data_path, resolve_policy, run_benchmark, unique_names
+from bench.workloads import WorkloadSpec, default_tokenizer_dir
 
-DEMO_CONFIG = ROOT / "manifests" / "config" / "round-robin.yaml"
+# The policies the demo compares, by config name (manifests/config/NAME.yaml) or
+# path; the baseline first. Add a prefix-aware profile here when it exists.
+DEMO_POLICIES = ("round-robin", "random")
 
-
-def _request(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, str], bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+DEMO_PODS = 4
+# 16 system prompts of 1,024 tokens, 8 questions each: 128 requests, at a rate that
+# keeps 4 pods busy (simulated seconds, run in real time).
+DEMO_WORKLOAD = {
+    "groups": 16,
+    "prompts_per_group": 8,
+    "system_len": 1024,
+    "question_len": 64,
+    "output_len": 64,
+}
+DEMO_RATE = 24.0
+DEMO_TIME_SCALE = 1.0
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def run_demo(out: Path, pods: int, keep_running: bool = False) -> int:
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def run_demo(out: Path, policies: Sequence[str] | None = None, keep_running: bool = False) -> int:
     # SIGTERM stops the demo as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    out.mkdir(parents=True, exist_ok=True)
+    names = list(policies or DEMO_POLICIES)
+    command = "python -m bench demo" + "".join(f" --policy {p}" for p in policies or ())
     try:
-        with contextlib.ExitStack() as cleanup:
-            print(f"starting {pods} simulated pods, the EPP and Envoy (logs in {out}/)")
-            fleet = []
-            for i in range(pods):
-                port = free_port()
-                pod = start_sim(port, out, f"sim-{i}")
-                cleanup.callback(pod.stop)
-                fleet.append((f"sim-{i}", f"127.0.0.1:{port}"))
-            endpoints = write_endpoints_file(out / "endpoints.yaml", fleet)
-            ports = EppPorts.free()
-            epp = start_epp(endpoints, out, ports, DEMO_CONFIG, ["--debug-endpoints", "-v", "3"])
-            cleanup.callback(epp.stop)
-            listen = free_port()
-            envoy = start_envoy(
-                envoy_config(listen_port=listen, epp_port=ports.grpc, admin_port=free_port()), out
-            )
-            cleanup.callback(envoy.stop)
-            url = f"http://127.0.0.1:{listen}"
-            admin = f"http://127.0.0.1:{ports.metrics}"
-            print(f"Envoy on {url}, EPP admin on {admin}, config {DEMO_CONFIG.relative_to(ROOT)}\n")
-
-            body = {"model": "sim-model", "prompt": "The capital of France is", "max_tokens": 4}
-            for i in range(2 * pods):
-                status, headers, _ = _request(url + "/v1/completions", body)
-                print(
-                    f"  POST /v1/completions #{i + 1}: {status},"
-                    f" served by {headers.get('x-sim-pod')}"
-                )
-            chat = {
-                "model": "sim-model",
-                "messages": [{"role": "user", "content": "Hello!"}],
-                "stream": True,
-            }
-            status, headers, payload = _request(url + "/v1/chat/completions", chat)
-            events = payload.count(b"data: ")
+        options = RunOptions(
+            out=out,
+            workload=WorkloadSpec("shared-prefix", options=DEMO_WORKLOAD),
+            policies=unique_names([resolve_policy(p) for p in names]),
+            ladder=[Arrivals("poisson", rate=DEMO_RATE)],
+            pods=DEMO_PODS,
+            time_scale=DEMO_TIME_SCALE,
+            tokenizer=default_tokenizer_dir(),
+            progress=sys.stderr.isatty(),
+            command=command,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{len(names)} policies ({', '.join(names)}), each on {DEMO_PODS} fresh simulated pods"
+        f" behind Envoy + the EPP; {DEMO_WORKLOAD['groups'] * DEMO_WORKLOAD['prompts_per_group']}"
+        f" shared-prefix requests at {DEMO_RATE:g}/s (logs in {out}/runs/)"
+    )
+    try:
+        document = run_benchmark(options)
+        oracle = document["oracle"]
+        head = f"{'policy':<16} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'req/s':>7}"
+        print(f"\n{head}  errors")
+        for name, r in document["policies"].items():
+            flag = "  FAILED: " + str(r["failure"]) if r["status"] == "failed" else ""
             print(
-                f"  POST /v1/chat/completions (stream): {status}, served by"
-                f" {headers.get('x-sim-pod')}, {events} SSE events passed through"
+                f"{name:<16} {_cell(r['hit_rate'], '8.3f')} {_cell(r['ttft_p50_s'], '8.3f')}s"
+                f" {_cell(r['ttft_p90_s'], '8.3f')}s {_cell(r['throughput_rps'], '7.2f')}"
+                f"  {r['errors']}{flag}"
             )
-            status, _, payload = _request(url + "/v1/completions", {"prompt": "no model"})
-            print(f"  POST /v1/completions without a model: {status} {payload.decode()}")
-
-            _, _, payload = _request(
-                admin + "/debug/explain", {"path": "/v1/completions", "body": body}
-            )
-            print("\nWhat the EPP would decide for the next request (/debug/explain):")
-            print("  " + json.dumps(json.loads(payload), indent=2).replace("\n", "\n  "))
-            if keep_running:
+        print(f"{'bound h*':<16} {oracle['h_star']:8.3f}   (one copy of every prefix)")
+        print(f"{'h_random':<16} {oracle['h_random']:8.3f}   (uniform random, {DEMO_PODS} pods)")
+        print(f"\nreport: {out / 'report.md'}; plots: {out}/*.png; data: {out / 'results.json'}")
+        if keep_running:
+            policy = options.policies[0]
+            with data_path(policy, options, out / "live") as (url, _):
+                print(f"\n{policy.name} stack up: curl -s {url}/v1/chat/completions \\")
                 print(
-                    f"\nTry it:  curl -s {url}/v1/completions"
-                    " -H 'content-type: application/json' \\"
+                    '  -H \'content-type: application/json\' -d \'{"model": "sim-model",'
+                    ' "messages": [{"role": "user", "content": "Hello"}]}\''
                 )
-                print(f"           -d '{json.dumps(body)}'")
                 print("Running until Ctrl-C.")
                 while True:
                     time.sleep(3600)
-            print("\n(`python -m bench demo --keep-running` keeps the stack up to try it by hand)")
     except KeyboardInterrupt:
-        print("\nstopped")
-    print("all processes stopped")
+        print("\nstopped: every process the demo started is stopped")
+        return 130
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_demo(Path("out/demo"), 3))

@@ -87,7 +87,15 @@ class ManagedProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def wait_http_ok(self, url: str, timeout_s: float = 30.0) -> None:
-        """Wait until `url` answers 200, or fail with the process's log."""
+        """Wait until `url` answers 200, or fail with the process's log. A process that
+        does not get ready (or a wait cut short by Ctrl-C) is stopped."""
+        try:
+            self._wait_http_ok(url, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_http_ok(self, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
@@ -327,15 +335,18 @@ def start_sim_fleet(
     ]  # fmt: skip
     process = ManagedProcess("sim-fleet", argv, workdir / "sim-fleet.log").start()
     deadline = time.monotonic() + timeout_s
-    while not endpoints.exists():
-        if process.process is not None and process.process.poll() is not None:
-            raise ProcessFailed(f"sim fleet exited:\n{process.log_tail()}")
-        if time.monotonic() > deadline:
-            process.stop()
-            raise ProcessFailed(
-                f"sim fleet not ready after {timeout_s:.0f}s:\n{process.log_tail()}"
-            )
-        time.sleep(0.05)
+    try:
+        while not endpoints.exists():
+            if process.process is not None and process.process.poll() is not None:
+                raise ProcessFailed(f"sim fleet exited:\n{process.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ProcessFailed(
+                    f"sim fleet not ready after {timeout_s:.0f}s:\n{process.log_tail()}"
+                )
+            time.sleep(0.05)
+    except BaseException:
+        process.stop()
+        raise
     return process, endpoints
 
 

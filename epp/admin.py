@@ -16,12 +16,10 @@ from epp.datastore import Datastore
 from epp.director import Director
 from epp.errors import BadRequest, EppError
 from epp.requests import parse_request
+from epp.sources.metrics import describe_metrics
 from epp.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-# Metrics older than this are reported stale (GIE's default).
-METRICS_STALENESS_S = 2.0
 
 
 class _ExplainRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -96,18 +94,14 @@ class AdminServer:
         now = time.monotonic()
         out = []
         for endpoint in self.datastore.all_endpoints():
-            metrics = endpoint.metrics
             entry: dict[str, Any] = {
                 "name": endpoint.name,
                 "address": endpoint.address,
                 "ready": endpoint.ready,
                 "labels": dict(endpoint.labels),
-                "metrics": {
-                    "waiting": metrics.waiting_requests,
-                    "running": metrics.running_requests,
-                    "kvCacheUsage": metrics.kv_cache_usage,
-                    "stale": metrics.age(now) > METRICS_STALENESS_S,
-                },
+                # waiting, running, kvCacheUsage, stale, and why a value is not
+                # trusted: reason, error, missing.
+                "metrics": describe_metrics(endpoint.metrics, now),
                 "inFlight": endpoint.in_flight,
             }
             # Facts the plugins of the running config add (their index state, say).

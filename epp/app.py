@@ -33,6 +33,7 @@ from epp.datastore import Datastore
 from epp.director import Director
 from epp.extproc.server import SERVICE_NAME, ExternalProcessor, add_to_server
 from epp.extproc.stream import DEFAULT_MAX_BODY_BYTES, StreamSettings
+from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
 from epp.sources.static import InvalidEndpointsFile, StaticEndpointSource
 from epp.telemetry import Telemetry
@@ -59,6 +60,11 @@ class ServeOptions:
     shutdown_grace_s: float = 5.0
     # Lean mode: how long a routed request may wait for its access-log entry.
     lean_completion_timeout_s: float = DEFAULT_TIMEOUT_S
+    # Model-server metrics (GIE's flags): scrape period, when data stops being
+    # trusted, and how long a scrape may take.
+    refresh_metrics_interval_s: float = 0.05
+    metrics_staleness_threshold_s: float = 2.0
+    metrics_scrape_timeout_s: float = 1.0
 
 
 class StartupError(Exception):
@@ -112,6 +118,11 @@ class EppApp:
             "datastore": self.datastore,
             "metrics": self.telemetry.registry,
             "observe": self.telemetry.plugin_timer,
+            "settings": ServerSettings(
+                refresh_metrics_interval_s=self.options.refresh_metrics_interval_s,
+                metrics_staleness_threshold_s=self.options.metrics_staleness_threshold_s,
+                metrics_scrape_timeout_s=self.options.metrics_scrape_timeout_s,
+            ),
         }
         if self.options.config_file:
             return load_config_file(self.options.config_file, self.registry, **kwargs)

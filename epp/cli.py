@@ -12,6 +12,7 @@ from epp import __version__
 from epp.app import EppApp, ServeOptions, StartupError
 from epp.completion import DEFAULT_TIMEOUT_S
 from epp.config import InvalidConfig, load_config_file
+from epp.durations import parse_duration
 from epp.extproc.stream import DEFAULT_MAX_BODY_BYTES
 from epp.logs import setup_logging
 from epp.scheduling.registry import PluginRegistry
@@ -47,6 +48,16 @@ def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _duration(text: str) -> float:
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive duration, got {text}")
     return value
 
 
@@ -111,6 +122,30 @@ def build_parser() -> argparse.ArgumentParser:
         " manifests/envoy/envoy-lean.yaml): a routed request whose access-log entry has not"
         " come after this long is ended as aborted, releasing its in-flight count",
     )
+    met = serve.add_argument_group(
+        "model-server metrics (read by load-aware plugins; scraped only when a plugin needs them)"
+    )
+    met.add_argument(
+        "--refresh-metrics-interval",
+        type=_duration,
+        default="50ms",
+        metavar="DURATION",
+        help="how often each endpoint's /metrics is scraped (GIE's flag; 50ms, 1s, ...)",
+    )
+    met.add_argument(
+        "--metrics-staleness-threshold",
+        type=_duration,
+        default="2s",
+        metavar="DURATION",
+        help="metrics older than this are stale: plugins score the endpoint neutrally",
+    )
+    met.add_argument(
+        "--metrics-scrape-timeout",
+        type=_duration,
+        default="1s",
+        metavar="DURATION",
+        help="a scrape with no complete answer by then has failed",
+    )
     obs = serve.add_argument_group("observability")
     obs.add_argument(
         "--debug-endpoints",
@@ -159,6 +194,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         log_prompts=args.log_prompts,
         lean_completion_timeout_s=args.lean_completion_timeout,
+        refresh_metrics_interval_s=args.refresh_metrics_interval,
+        metrics_staleness_threshold_s=args.metrics_staleness_threshold,
+        metrics_scrape_timeout_s=args.metrics_scrape_timeout,
     )
 
     async def run() -> None:

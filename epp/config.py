@@ -13,6 +13,23 @@ The file has GIE's shape (see DESIGN §3.3):
       plugins:
       - {pluginRef: picker}
       - {pluginRef: some-scorer, weight: 2}
+    saturationDetector: {pluginRef: utilization-detector}   # optional (GIE)
+    dataLayer:                                              # optional (GIE)
+      sources:
+      - pluginRef: metrics-data-source
+        extractors: [{pluginRef: core-metrics-extractor}]
+    inferenceObjectives:                                    # optional (this EPP)
+    - {name: batch, priority: -1}
+
+`inferenceObjectives` plays the part of GIE's InferenceObjective resources: a
+request's `x-gateway-inference-objective` header names one, and its `priority`
+(default 0) is the request's; an unknown objective, or none, is priority 0. A
+negative priority is sheddable: while the saturation detector says the pool is
+saturated, such requests get a 429. Without a `saturationDetector` section the
+config's one saturation-detector plugin is used, or, if some objective is
+sheddable, a default `utilization-detector`. Without a `dataLayer` section, a
+config whose plugins read model-server metrics gets a default
+`metrics-data-source` (GIE does the same).
 
 Validation collects every error it can find, each with its path in the file (and
 its line), so `epp validate` shows them all at once. Nothing is built unless the
@@ -21,10 +38,11 @@ whole file is valid: a broken file never yields a half-configured scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,8 +52,12 @@ from prometheus_client import CollectorRegistry
 
 from epp.datastore import Datastore
 from epp.scheduling.interfaces import (
+    METRICS,
+    Admitter,
     Background,
+    DataExtractor,
     DataProducer,
+    DataSource,
     Filter,
     NoParameters,
     Picker,
@@ -43,7 +65,9 @@ from epp.scheduling.interfaces import (
     PostResponse,
     PreRequest,
     ProfileHandler,
+    SaturationDetector,
     Scorer,
+    ServerSettings,
     extension_points,
 )
 from epp.scheduling.registry import PluginRegistry, UnknownPluginType
@@ -53,6 +77,8 @@ API_VERSIONS: Final = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alp
 KIND: Final = "EndpointPickerConfig"
 DEFAULT_PICKER: Final = "max-score-picker"
 DEFAULT_PROFILE_HANDLER: Final = "single-profile-handler"
+DEFAULT_METRICS_SOURCE: Final = "metrics-data-source"
+DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given.
 DEFAULT_CONFIG: Final = f"""\
@@ -70,8 +96,6 @@ schedulingProfiles:
 # for GIE loads, and the log says what is ignored.
 IGNORED_GIE_SECTIONS: Final = (
     "featureGates",
-    "saturationDetector",
-    "dataLayer",
     "flowControl",
     "parser",
 )
@@ -128,6 +152,26 @@ class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True):
     plugins: list[ProfilePluginRef] = []
 
 
+class PluginRef(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    plugin_ref: str
+
+
+class DataSourceSpec(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    plugin_ref: str
+    extractors: list[PluginRef] = []
+
+
+class DataLayerSpec(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    sources: list[DataSourceSpec] = []
+    # GIE: false turns off the default metrics source.
+    inject_defaults: bool = True
+
+
+class ObjectiveSpec(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    priority: int = 0
+
+
 # ---------------------------------------------------------------------------
 # The built configuration.
 
@@ -141,6 +185,12 @@ class SchedulingConfig:
     pre_request: tuple[Slot[PreRequest], ...]
     post_response: tuple[Slot[PostResponse], ...]
     plugins: Mapping[str, object] = field(default_factory=dict)
+    # Admission: sheddable requests (negative priority) are shed while the detector
+    # says the pool is saturated; then every admitter may refuse a request.
+    saturation_detector: Slot[SaturationDetector] | None = None
+    admitters: tuple[Slot[Admitter], ...] = ()
+    # Objective name (x-gateway-inference-objective) -> priority.
+    objectives: Mapping[str, int] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     # What the plugins asked the server to run beside the request path.
     background: Background = field(default_factory=Background)
@@ -185,12 +235,14 @@ class _Loader:
         datastore: Datastore,
         metrics: CollectorRegistry,
         observe: ObserveFactory,
+        settings: ServerSettings,
     ) -> None:
         self.document = document
         self.registry = registry
         self.datastore = datastore
         self.metrics = metrics
         self.observe = observe
+        self.settings = settings
         self.background = Background()
         self.errors: list[ConfigError] = []
         self.warnings: list[str] = []
@@ -210,7 +262,16 @@ class _Loader:
         if not isinstance(doc, dict):
             self.error((), "the file must hold a YAML mapping (apiVersion, kind, plugins, ...)")
             return None
-        known = {"apiVersion", "kind", "plugins", "schedulingProfiles", *IGNORED_GIE_SECTIONS}
+        known = {
+            "apiVersion",
+            "kind",
+            "plugins",
+            "schedulingProfiles",
+            "saturationDetector",
+            "dataLayer",
+            "inferenceObjectives",
+            *IGNORED_GIE_SECTIONS,
+        }
         for key in doc:
             if key not in known:
                 self.error((str(key),), f"unknown key; expected one of {', '.join(sorted(known))}")
@@ -227,6 +288,20 @@ class _Loader:
 
         specs = self.plugin_specs(doc.get("plugins", []))
         profiles = self.profile_specs(doc.get("schedulingProfiles", []))
+        detector_ref: PluginRef | None = None
+        detector_params: dict[str, Any] | None = None
+        if "saturationDetector" in doc:
+            raw = doc["saturationDetector"]
+            if isinstance(raw, dict) and "pluginRef" not in raw:
+                # GIE before its pluggable detectors: the section held the
+                # utilization detector's own parameters.
+                detector_params = raw
+            else:
+                detector_ref = self.convert(raw, PluginRef, ("saturationDetector",))
+        data_layer: DataLayerSpec | None = None
+        if "dataLayer" in doc:
+            data_layer = self.convert(doc["dataLayer"] or {}, DataLayerSpec, ("dataLayer",))
+        objectives = self.objective_specs(doc.get("inferenceObjectives", []))
         classes = self.resolve_types(specs)
         params = self.decode_parameters(specs, classes)
         if self.errors:
@@ -236,7 +311,26 @@ class _Loader:
         plugins = self.build_plugins(specs, classes, params)
         if self.errors:
             return None
-        return self.assemble(specs, plugins, profiles)
+        types = {name: spec.type for name, (_, spec) in specs.items()}
+        self.wire_data_layer(data_layer, plugins, types)
+        detector = self.saturation_detector(
+            detector_ref, detector_params, objectives, plugins, types
+        )
+        if self.errors:
+            return None
+        built = self.assemble(specs, plugins, profiles, types)
+        if built is None:
+            return None
+        return replace(
+            built,
+            saturation_detector=detector,
+            objectives=objectives,
+            admitters=tuple(
+                self.slot("admitter", n, types[n], p)
+                for n, p in plugins.items()
+                if isinstance(p, Admitter)
+            ),
+        )
 
     def plugin_specs(self, raw: object) -> dict[str, tuple[int, PluginSpec]]:
         if not isinstance(raw, list):
@@ -273,6 +367,141 @@ class _Loader:
             seen.add(profile.name)
             profiles.append(profile)
         return profiles
+
+    def objective_specs(self, raw: object) -> dict[str, int]:
+        if not isinstance(raw, list):
+            self.error(("inferenceObjectives",), "must be a list of {name, priority}")
+            return {}
+        objectives: dict[str, int] = {}
+        for i, item in enumerate(raw):
+            spec = self.convert(item, ObjectiveSpec, ("inferenceObjectives", i))
+            if spec is None:
+                continue
+            if spec.name in objectives:
+                self.error(("inferenceObjectives", i, "name"), f"duplicate objective {spec.name!r}")
+            objectives[spec.name] = spec.priority
+        return objectives
+
+    def wire_data_layer(
+        self,
+        data_layer: DataLayerSpec | None,
+        plugins: dict[str, object],
+        types: dict[str, str],
+    ) -> None:
+        """Hand each data source its extractors; add the default metrics source
+        when a plugin reads metrics and nothing provides them."""
+        if data_layer is not None:
+            for j, source_spec in enumerate(data_layer.sources):
+                path: Path_ = ("dataLayer", "sources", j)
+                source = self.plugin_of(
+                    source_spec.plugin_ref,
+                    DataSource,
+                    "a data source",
+                    (*path, "pluginRef"),
+                    plugins,
+                )
+                for k, ref in enumerate(source_spec.extractors):
+                    ref_path: Path_ = (*path, "extractors", k, "pluginRef")
+                    extractor = self.plugin_of(
+                        ref.plugin_ref, DataExtractor, "a data extractor", ref_path, plugins
+                    )
+                    if source is None or extractor is None:
+                        continue
+                    try:
+                        source.add_extractor(extractor)
+                    except ValueError as exc:
+                        self.error(ref_path, str(exc))
+        else:
+            # GIE without a dataLayer section: each source takes the extractors it can use.
+            extractors = [p for p in plugins.values() if isinstance(p, DataExtractor)]
+            for plugin in plugins.values():
+                if isinstance(plugin, DataSource):
+                    for extractor in extractors:
+                        with contextlib.suppress(ValueError):
+                            plugin.add_extractor(extractor)
+        if data_layer is not None and not data_layer.inject_defaults:
+            return
+        if any(isinstance(p, DataSource) for p in plugins.values()):
+            return
+        consumers = [n for n, p in plugins.items() if METRICS in getattr(p, "consumes", ())]
+        if consumers:
+            self.default_plugin(DEFAULT_METRICS_SOURCE, DataSource, plugins, types)
+
+    def plugin_of(
+        self,
+        name: str,
+        interface: type,
+        kind: str,
+        path: Path_,
+        plugins: dict[str, object],
+    ) -> Any:
+        plugin = plugins.get(name)
+        if plugin is None:
+            self.error(
+                path,
+                f"no plugin named {name!r} in plugins (defined: {', '.join(sorted(plugins))})",
+            )
+            return None
+        if not isinstance(plugin, interface):
+            self.error(path, f"{name!r} is not {kind}")
+            return None
+        return plugin
+
+    def saturation_detector(
+        self,
+        ref: PluginRef | None,
+        params: dict[str, Any] | None,
+        objectives: Mapping[str, int],
+        plugins: dict[str, object],
+        types: dict[str, str],
+    ) -> Slot[SaturationDetector] | None:
+        if params is not None:
+            built = self.default_plugin(
+                DEFAULT_SATURATION_DETECTOR,
+                SaturationDetector,
+                plugins,
+                types,
+                (("saturationDetector",), params),
+            )
+            if built is None:
+                return None
+            if not any(isinstance(p, DataSource) for p in plugins.values()):
+                self.default_plugin(DEFAULT_METRICS_SOURCE, DataSource, plugins, types)
+            return self.slot("saturation_detector", built, types[built], plugins[built])
+        if ref is not None:
+            plugin = self.plugin_of(
+                ref.plugin_ref,
+                SaturationDetector,
+                "a saturation detector",
+                ("saturationDetector", "pluginRef"),
+                plugins,
+            )
+            if plugin is None:
+                return None
+            return self.slot("saturation_detector", ref.plugin_ref, types[ref.plugin_ref], plugin)
+        detectors = [n for n, p in plugins.items() if isinstance(p, SaturationDetector)]
+        if len(detectors) > 1:
+            self.error(
+                ("saturationDetector",),
+                f"several saturation detectors ({', '.join(detectors)}): name the one that"
+                " decides admission with saturationDetector: {pluginRef: ...}",
+            )
+            return None
+        if detectors:
+            name = detectors[0]
+            return self.slot("saturation_detector", name, types[name], plugins[name])
+        if not any(priority < 0 for priority in objectives.values()):
+            return None  # nothing could ever be shed
+        default = self.default_plugin(
+            DEFAULT_SATURATION_DETECTOR, SaturationDetector, plugins, types
+        )
+        if default is None:
+            return None
+        detector = self.slot("saturation_detector", default, types[default], plugins[default])
+        # The default detector reads metrics: it may need the default source too.
+        if not any(isinstance(p, DataSource) for p in plugins.values()):
+            self.default_plugin(DEFAULT_METRICS_SOURCE, DataSource, plugins, types)
+        return detector
 
     def check_references(
         self, specs: dict[str, tuple[int, PluginSpec]], profiles: list[ProfileSpec]
@@ -333,6 +562,7 @@ class _Loader:
                 metrics=self.metrics,
                 plugins=dict(plugins),
                 background=self.background,
+                settings=self.settings,
             )
             try:
                 plugin = plugin_class(params[name], context)
@@ -344,7 +574,7 @@ class _Loader:
                     ("plugins", i, "type"),
                     f"{spec.type!r} implements none of the plugin interfaces"
                     " (filter, score, pick, select_profiles/process_results, prepare,"
-                    " pre_request, post_response)",
+                    " pre_request, post_response, saturation, admit, add_extractor, extract)",
                 )
                 continue
             plugins[name] = plugin
@@ -354,10 +584,16 @@ class _Loader:
         return Slot(name, type_name, plugin, self.observe(extension_point, type_name, name))
 
     def default_plugin(
-        self, type_name: str, interface: type, plugins: dict[str, object], types: dict[str, str]
+        self,
+        type_name: str,
+        interface: type,
+        plugins: dict[str, object],
+        types: dict[str, str],
+        parameters: tuple[Path_, dict[str, Any]] | None = None,
     ) -> str | None:
         """Add a default plugin of `type_name` (unless one by that name exists), or
-        report why it cannot be used."""
+        report why it cannot be used. `parameters`: (where they are in the file,
+        their values) for a default configured in place (GIE's older sections)."""
         existing = plugins.get(type_name)
         if existing is not None and not isinstance(existing, interface):
             # A user's plugin took the default's name (a name defaults to the type):
@@ -370,10 +606,17 @@ class _Loader:
             return None
         if existing is None:
             plugin_class = self.registry.resolve(type_name)
+            params_type = getattr(plugin_class, "Parameters", None)
+            if params_type is None:
+                params: Any = NoParameters()
+            elif parameters is None:
+                params = msgspec.convert({}, params_type)
+            else:
+                params = self.convert(parameters[1], params_type, parameters[0])
+                if params is None:
+                    return None
             plugins[type_name] = plugin_class(
-                NoParameters()
-                if getattr(plugin_class, "Parameters", None) is None
-                else msgspec.convert({}, plugin_class.Parameters),  # type: ignore[attr-defined]
+                params,
                 PluginContext(
                     type_name,
                     type_name,
@@ -381,6 +624,7 @@ class _Loader:
                     self.metrics,
                     dict(plugins),
                     self.background,
+                    self.settings,
                 ),
             )
             types[type_name] = type_name
@@ -391,8 +635,8 @@ class _Loader:
         specs: dict[str, tuple[int, PluginSpec]],
         plugins: dict[str, object],
         profile_specs: list[ProfileSpec],
+        types: dict[str, str],
     ) -> SchedulingConfig | None:
-        types = {name: spec.type for name, (_, spec) in specs.items()}
         self.check_references(specs, profile_specs)
         profiles: dict[str, SchedulerProfile] = {}
         for j, profile in enumerate(profile_specs):
@@ -531,6 +775,7 @@ def load_config(
     datastore: Datastore | None = None,
     metrics: CollectorRegistry | None = None,
     observe: ObserveFactory = _no_observe,
+    settings: ServerSettings | None = None,
 ) -> SchedulingConfig:
     """Validate `text` and build its scheduling configuration, or raise
     `InvalidConfig` listing every error found."""
@@ -547,6 +792,7 @@ def load_config(
         datastore if datastore is not None else Datastore(),
         metrics if metrics is not None else CollectorRegistry(),
         observe,
+        settings if settings is not None else ServerSettings(),
     )
     built = loader.load()
     if built is None:

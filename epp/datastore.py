@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +31,27 @@ class EndpointSpec:
         return self.metrics_url or f"http://{self.address}/metrics"
 
 
+# Names of the facts in an `EndpointMetrics` snapshot, as /debug/endpoints shows them;
+# `EndpointMetrics.missing` is keyed by these.
+WAITING: Final = "waiting"
+RUNNING: Final = "running"
+KV_CACHE_USAGE: Final = "kvCacheUsage"
+LORA: Final = "lora"
+CACHE_INFO: Final = "cacheInfo"
+
+# GIE's --metrics-staleness-threshold default.
+DEFAULT_STALENESS_S: Final = 2.0
+
+
 @dataclass(frozen=True, slots=True)
 class EndpointMetrics:
     """A snapshot of an endpoint's model-server metrics, replaced as a whole.
 
-    `updated_at` is `time.monotonic()` of the scrape (0.0: never scraped)."""
+    `updated_at` is `time.monotonic()` of the last scrape that produced these values
+    (0.0: never scraped). A snapshot older than `staleness_s` is stale: plugins must
+    not trust its values (they score it neutrally). A fact the page did not carry,
+    or carried as NaN, infinity or a negative number, is in `missing` with the reason,
+    and its field holds the default, which is not a fact either."""
 
     waiting_requests: int = 0
     running_requests: int = 0
@@ -42,12 +59,31 @@ class EndpointMetrics:
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
     max_adapters: int = 0
+    block_size: int = 0  # tokens per KV block (cache info); 0: not reported
+    num_gpu_blocks: int = 0  # KV blocks in the pool (cache info); 0: not reported
+    # Extra series a `core-metrics-extractor` engine config maps (`customMetrics`).
+    custom: Mapping[str, float] = field(default_factory=dict)
     updated_at: float = 0.0
+    # Set by the metrics source (--metrics-staleness-threshold).
+    staleness_s: float = DEFAULT_STALENESS_S
+    # Fact name (WAITING, ...) -> why it is not known.
+    missing: Mapping[str, str] = field(default_factory=dict)
+    # Why the latest scrape failed (timeout, HTTP error, unusable page), while the
+    # values above are still those of the last good one; None after a good scrape.
+    error: str | None = None
 
     def age(self, now: float | None = None) -> float:
         if self.updated_at == 0.0:
             return float("inf")
         return (time.monotonic() if now is None else now) - self.updated_at
+
+    def stale(self, now: float | None = None) -> bool:
+        return self.age(now) > self.staleness_s
+
+    def known(self, fact: str, now: float | None = None) -> bool:
+        """Whether `fact` (WAITING, ...) may be trusted: the snapshot is fresh and the
+        page reported it with a valid value."""
+        return fact not in self.missing and not self.stale(now)
 
 
 class Endpoint:
@@ -108,6 +144,10 @@ class Datastore:
     def add_listener(self, listener: MembershipListener) -> None:
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: MembershipListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     # -- writes (endpoint sources) ---------------------------------------------
 
     def replace_all(self, specs: Iterable[EndpointSpec]) -> None:
@@ -157,5 +197,5 @@ class Datastore:
     def _changed(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         self._ready = tuple(e for e in self._by_name.values() if e.ready)
         if added or removed:
-            for listener in self._listeners:
+            for listener in tuple(self._listeners):
                 listener(added, removed)

@@ -1,9 +1,14 @@
 """The director: from a parsed request to a routing decision, and back at its end.
 
-    pick_endpoint:  candidates -> data producers -> scheduler -> (side effects:
-                    in-flight count, pre-request plugins) -> Decision
+    pick_endpoint:  candidates -> admission (priority; shed a sheddable request
+                    while the pool is saturated; admitters) -> data producers ->
+                    scheduler -> (side effects: in-flight count, pre-request
+                    plugins) -> Decision
     finish:         in-flight count released, post-response plugins, metrics
     explain:        the same pick, stopping before the side effects
+
+Admission runs before the data producers, so a request that is shed costs no
+tokenizing or index lookup.
 
 `explain` and `pick_endpoint` share `_schedule`, so /debug/explain shows exactly
 what a real pick would do on the same state.
@@ -19,9 +24,15 @@ from typing import Any
 
 from epp.config import SchedulingConfig
 from epp.datastore import Datastore, Endpoint
-from epp.errors import NoCapacity, Unavailable
+from epp.errors import EppError, NoCapacity, Shed, Unavailable
 from epp.requests import InferenceRequest, rewrite_model
-from epp.scheduling.types import CycleState, ProfileResult, ResponseInfo, SchedulingResult
+from epp.scheduling.types import (
+    PRIORITY,
+    CycleState,
+    ProfileResult,
+    ResponseInfo,
+    SchedulingResult,
+)
 from epp.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -82,6 +93,45 @@ class Director:
             raise Unavailable("no ready endpoint in the pool")
         return endpoints
 
+    def _admit(
+        self,
+        config: SchedulingConfig,
+        request: InferenceRequest,
+        cycle: CycleState,
+        candidates: Sequence[Endpoint],
+        report: dict[str, Any] | None = None,
+    ) -> None:
+        """Raise `Shed` (429), or an admitter's error, if the request may not be
+        scheduled now. `report` receives the pool's saturation when it was looked at
+        (for /debug/explain)."""
+        priority = config.objectives.get(request.objective, 0) if request.objective else 0
+        cycle.put(PRIORITY, priority)
+        detector = config.saturation_detector
+        if detector is not None and priority < 0:
+            # Only sheddable requests pay for the look at the pool.
+            t0 = time.perf_counter()
+            saturation = detector.plugin.saturation(candidates)
+            detector.observe(time.perf_counter() - t0)
+            if report is not None:
+                report["saturation"] = saturation
+            if saturation >= 1.0:
+                raise Shed(
+                    f"the pool is saturated (saturation {saturation:.2f} by {detector.name})"
+                    f" and objective {request.objective!r} has priority {priority} < 0:"
+                    " the request is shed"
+                )
+        for slot in config.admitters:
+            t0 = time.perf_counter()
+            try:
+                slot.plugin.admit(request, cycle, candidates)
+            except EppError:
+                raise
+            except Exception:
+                # A broken admitter must not stop the traffic it was meant to shape.
+                log.exception("admitter %s failed; admitting the request", slot.name)
+            finally:
+                slot.observe(time.perf_counter() - t0)
+
     async def _schedule(
         self,
         config: SchedulingConfig,
@@ -111,6 +161,7 @@ class Director:
         config = self.config
         candidates = self.candidates(subset)
         cycle = CycleState()
+        self._admit(config, request, cycle, candidates)
         result = await self._schedule(config, request, cycle, candidates)
         targets = result.targets
         if not targets:
@@ -175,10 +226,23 @@ class Director:
         """What `pick_endpoint` would decide now, with every score, changing nothing."""
         config = self.config
         candidates = self.candidates(subset)
-        result = await self._schedule(config, request, CycleState(), candidates)
+        cycle = CycleState()
+        shed: str | None = None
+        admission: dict[str, Any] = {}
+        try:
+            self._admit(config, request, cycle, candidates, admission)
+        except EppError as error:
+            # Shown with the scores the request would have got, for debugging.
+            shed = error.message
+        result = await self._schedule(config, request, cycle, candidates)
         primary = result.profiles[result.primary_profile]
         out = _explain_profile(primary)
-        if not primary.targets:
+        out["priority"] = cycle.get(PRIORITY)
+        out.update(admission)
+        if shed is not None:
+            out["error"] = shed
+            out["picked"] = []
+        elif not primary.targets:
             out["error"] = _no_capacity_message(len(candidates), primary)
         return out
 

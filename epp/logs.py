@@ -94,3 +94,28 @@ def setup_logging(log_format: str = "text", verbosity: int = 2) -> None:
     if verbosity < 5:
         for name in ("aiohttp.access", "asyncio", "grpc"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class LogOnce:
+    """Logs a message the first time its cause is seen, and only counts it after:
+    bad input that repeats (a misconfigured engine, a garbage publisher) must not
+    flood the logs. Causes are bounded by the caller (a reason and an endpoint)."""
+
+    def __init__(self, logger: logging.Logger, max_causes: int = 10_000) -> None:
+        self.logger = logger
+        self.max_causes = max_causes
+        self._seen: set[object] = set()
+
+    def __call__(self, cause: object, level: int, message: str, *args: object) -> bool:
+        """Log `message` unless `cause` was logged before; True if it was logged."""
+        if cause in self._seen:
+            return False
+        if len(self._seen) >= self.max_causes:
+            self._seen.clear()
+        self._seen.add(cause)
+        self.logger.log(level, message, *args)
+        return True
+
+    def forget(self, cause: object) -> None:
+        """Let `cause` be logged again (it was fixed, say)."""
+        self._seen.discard(cause)

@@ -7,7 +7,15 @@ Endpoints, as vLLM serves them:
   is set) or not (with `usage.prompt_tokens_details.cached_tokens` always given);
 - `GET /v1/models`, `GET /health`, `GET /metrics` (vLLM's metric names);
 - `POST /reset_prefix_cache` (vLLM's development endpoint): clears the prefix cache
-  and publishes AllBlocksCleared, refused (400) while requests hold blocks.
+  and publishes AllBlocksCleared, refused (400) while requests hold blocks;
+- `POST /tokenize` (a completion body with `prompt`, or a chat body with `messages`)
+  -> `{"count", "max_model_len", "tokens", "token_strs": null}`, and
+  `POST /v1/chat/completions/render`, `POST /v1/completions/render` -> the prompt's
+  token ids (`{"request_id", "token_ids", "model", ...}`; one such object per prompt,
+  in a list, for completions), computed exactly as a generation request's would be.
+  Routers that route on token ids ask a worker for them: vllm-router's
+  `cache_aware` policy calls render, then tokenize, for each chat request. Neither
+  touches the engine (no cache lookup, no counter).
 
 Fault knobs and introspection for tests (not in vLLM):
 
@@ -129,6 +137,9 @@ class SimPod:
         routes.add_get("/health", self.health)
         routes.add_get("/metrics", self.metrics)
         routes.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        routes.add_post("/tokenize", self.tokenize)
+        routes.add_post("/v1/chat/completions/render", self.render_chat)
+        routes.add_post("/v1/completions/render", self.render_completion)
         routes.add_post("/sim/restart", self.sim_restart)
         routes.add_post("/sim/drop-events", self.sim_drop_events)
         routes.add_post("/sim/metrics-delay", self.sim_metrics_delay)
@@ -231,6 +242,70 @@ class SimPod:
                 RequestError(f"Failed to reset prefix cache: {used} blocks are still in use.")
             )
         return web.Response(headers=self._headers())
+
+    # -- tokenization (for routers that route on token ids) -------------------------
+
+    async def _token_ids(self, request: web.Request, chat: bool | None) -> list[list[int]]:
+        """The prompt token ids of a request body, as generation would compute them.
+        `chat` None: a chat body when it has `messages` (what /tokenize accepts)."""
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"JSON decode error: {exc}") from exc
+        if chat is None:
+            chat = isinstance(body, dict) and "messages" in body
+        # Generation-only fields are not the tokenizer's business.
+        if isinstance(body, dict):
+            body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        parsed = parse_chat(body) if chat else parse_completion(body)
+        if parsed.model is not None and parsed.model != self.config.model:
+            raise RequestError(
+                f"The model `{parsed.model}` does not exist.",
+                status=404,
+                error_type="NotFoundError",
+                param="model",
+            )
+        if isinstance(self.tokenizer, HFTokenizer):
+            return await asyncio.to_thread(self._prompt_ids, parsed)
+        return self._prompt_ids(parsed)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            prompts = await self._token_ids(request, None)
+        except RequestError as error:
+            return self._error(error)
+        tokens = [t for ids in prompts for t in ids]
+        return self._json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.engine.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    def _rendered(self, ids: list[int]) -> dict[str, Any]:
+        return {
+            "request_id": uuid.uuid4().hex,
+            "token_ids": ids,
+            "model": self.config.model,
+            "sampling_params": {},
+            "stream": False,
+        }
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        try:
+            (ids,) = await self._token_ids(request, True)
+        except RequestError as error:
+            return self._error(error)
+        return self._json_response(self._rendered(ids))
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        try:
+            prompts = await self._token_ids(request, False)
+        except RequestError as error:
+            return self._error(error)
+        return self._json_response([self._rendered(ids) for ids in prompts])
 
     # -- fault knobs and state -------------------------------------------------------
 

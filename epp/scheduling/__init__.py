@@ -6,8 +6,12 @@ from epp.scheduling import Scorer, CycleState, PluginContext, ...
 from epp.datastore import Endpoint, EndpointMetrics
 from epp.requests import InferenceRequest
 from epp.scheduling.interfaces import (
+    METRICS,
+    Admitter,
     Background,
+    DataExtractor,
     DataProducer,
+    DataSource,
     Filter,
     NoParameters,
     Picker,
@@ -16,9 +20,12 @@ from epp.scheduling.interfaces import (
     PostResponse,
     PreRequest,
     ProfileHandler,
+    SaturationDetector,
     Scorer,
+    ServerSettings,
 )
 from epp.scheduling.types import (
+    PRIORITY,
     CycleState,
     ProfileResult,
     ResponseInfo,
@@ -29,9 +36,14 @@ from epp.scheduling.types import (
 )
 
 __all__ = [
+    "METRICS",
+    "PRIORITY",
+    "Admitter",
     "Background",
     "CycleState",
+    "DataExtractor",
     "DataProducer",
+    "DataSource",
     "Endpoint",
     "EndpointMetrics",
     "Filter",
@@ -45,9 +57,11 @@ __all__ = [
     "ProfileHandler",
     "ProfileResult",
     "ResponseInfo",
+    "SaturationDetector",
     "SchedulingResult",
     "ScoredEndpoint",
     "Scorer",
+    "ServerSettings",
     "StateKey",
     "Usage",
 ]

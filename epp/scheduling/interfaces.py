@@ -17,17 +17,28 @@ Rules every plugin follows:
 - `filter`, `score`, `pick`, `pre_request` and `post_response` run on the event loop
   of every request: they must be quick and must not block. Slow work (tokenizing,
   I/O) goes in `DataProducer.prepare`, which is async, or in background tasks.
-- `/debug/explain` runs data producers, filters, scorers and pickers exactly as a
-  real pick does, but never `pre_request` or `post_response`. So anything a pick
-  must change (a speculative index entry, a session table) belongs in `pre_request`,
-  and the first four must be free of side effects.
+- `/debug/explain` runs admission, data producers, filters, scorers and pickers
+  exactly as a real pick does, but never `pre_request` or `post_response`. So
+  anything a pick must change (a speculative index entry, a session table) belongs
+  in `pre_request`, and the others must be free of side effects.
+- A plugin that reads the model-server metrics (`Endpoint.metrics`) says so with a
+  class attribute `consumes = frozenset({METRICS})`: a config without a `dataLayer`
+  section then gets the default metrics source (`metrics-data-source`), as in GIE.
+  Metrics may be stale or incomplete (`EndpointMetrics.known`): score those
+  endpoints neutrally rather than on numbers nobody vouches for.
+
+Order of a request: candidates (ready endpoints, Envoy's subset hint) -> admission
+(the saturation detector sheds a request whose objective has a negative priority
+while the pool is saturated; then `Admitter`s) -> data producers -> scheduling
+profiles (filters -> scorers -> picker) -> in-flight count and `PreRequest` ->
+... -> `PostResponse`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Protocol, runtime_checkable
+from typing import Annotated, Any, Final, Protocol, runtime_checkable
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -41,6 +52,10 @@ from epp.scheduling.types import (
     SchedulingResult,
     ScoredEndpoint,
 )
+
+METRICS: Final = "metrics"
+"""Data a plugin may consume (its `consumes` class attribute): the model-server
+metrics a metrics data source keeps in `Endpoint.metrics`."""
 
 
 class NoParameters(msgspec.Struct, forbid_unknown_fields=True):
@@ -79,6 +94,18 @@ class Background:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Server-wide settings from the command line that plugins may need (GIE's flags)."""
+
+    # --refresh-metrics-interval: how often each endpoint's /metrics is scraped.
+    refresh_metrics_interval_s: float = 0.05
+    # --metrics-staleness-threshold: metrics older than this are not trusted.
+    metrics_staleness_threshold_s: float = 2.0
+    # --metrics-scrape-timeout: a scrape without an answer by then has failed.
+    metrics_scrape_timeout_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin receives when it is built."""
 
@@ -88,6 +115,52 @@ class PluginContext:
     metrics: CollectorRegistry  # register the plugin's own Prometheus metrics here
     plugins: Mapping[str, object]  # plugins built before this one, by name
     background: Background = field(default_factory=Background)
+    settings: ServerSettings = field(default_factory=ServerSettings)
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """GIE's data layer: a plugin that keeps endpoint state fresh from outside the
+    request path (the metrics scraper), named in the config's
+    `dataLayer.sources[].pluginRef`. It runs through `PluginContext.background`.
+
+    `add_extractor` is called at build time with each plugin named in that source's
+    `extractors` (without a `dataLayer` section: with every extractor of the config);
+    it raises `ValueError` for an extractor whose data it does not produce."""
+
+    def add_extractor(self, extractor: object) -> None: ...
+
+
+@runtime_checkable
+class DataExtractor(Protocol):
+    """GIE's data layer: turns what a data source fetched from an endpoint into what
+    the datastore keeps about it (for `core-metrics-extractor`: a /metrics page into
+    an `EndpointMetrics`). What `data` is, is agreed between an extractor and the
+    sources that accept it."""
+
+    def extract(self, data: Any, endpoint: Endpoint) -> Any: ...
+
+
+@runtime_checkable
+class SaturationDetector(Protocol):
+    """Tells how saturated the pool is (GIE's `saturationDetector`): 1.0 or more
+    means saturated. Requests whose objective has a negative priority are shed (429)
+    while it says so; others are always admitted. Called with the request's
+    candidate endpoints; must be quick and free of side effects."""
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float: ...
+
+
+@runtime_checkable
+class Admitter(Protocol):
+    """Decides whether a request may be scheduled at all, before any data producer
+    runs. Raise an `EppError` (usually `epp.errors.Shed`, a 429) to refuse it; return
+    to admit. The request's priority is `cycle.get(PRIORITY)`. Must be quick and
+    free of side effects (/debug/explain runs it)."""
+
+    def admit(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> None: ...
 
 
 @runtime_checkable
@@ -187,6 +260,10 @@ class PostResponse(Protocol):
 
 
 EXTENSION_POINTS: tuple[tuple[str, type], ...] = (
+    ("data_source", DataSource),
+    ("data_extractor", DataExtractor),
+    ("saturation_detector", SaturationDetector),
+    ("admitter", Admitter),
     ("data_producer", DataProducer),
     ("filter", Filter),
     ("scorer", Scorer),

@@ -46,6 +46,12 @@ class CycleState:
         return key in self._data
 
 
+PRIORITY: StateKey[int] = StateKey("priority")
+"""The request's priority, set by the director before admission: its objective's
+(`x-gateway-inference-objective`, looked up in the config's `inferenceObjectives`),
+0 without one. Negative priorities are sheddable."""
+
+
 @dataclass(frozen=True, slots=True)
 class ScoredEndpoint:
     endpoint: Endpoint

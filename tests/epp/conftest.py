@@ -129,11 +129,13 @@ async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
         max_body_bytes: int | None = None,
         lean_completion_timeout_s: float | None = None,
         debug_endpoints: bool = True,
+        **options: Any,
     ) -> Epp:
+        """`options`: more `ServeOptions` fields (metrics scraping flags, say)."""
         pool = ENDPOINTS if endpoints is None else endpoints
         endpoints_file = tmp_path / f"endpoints-{len(running)}.yaml"
         write_endpoints(endpoints_file, pool)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(options)
         if max_body_bytes is not None:
             extra["max_body_bytes"] = max_body_bytes
         if lean_completion_timeout_s is not None:

@@ -369,8 +369,6 @@ def test_gie_only_sections_are_accepted_with_a_warning(registry: PluginRegistry)
     config = load(
         """\
         featureGates: [prepareDataPlugins]
-        saturationDetector: {queueDepthThreshold: 5}
-        dataLayer: {}
         flowControl: {}
         parser: {}
         schedulingProfiles:
@@ -378,8 +376,8 @@ def test_gie_only_sections_are_accepted_with_a_warning(registry: PluginRegistry)
         """,
         registry,
     )
-    assert len(config.warnings) == 5
-    for section in ("featureGates", "saturationDetector", "dataLayer", "flowControl", "parser"):
+    assert len(config.warnings) == 3
+    for section in ("featureGates", "flowControl", "parser"):
         assert any(w.startswith(f"{section}:") and "ignored" in w for w in config.warnings)
 
 

@@ -64,17 +64,26 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running_stack(workdir: Path, *, lean: bool = False) -> Iterator[Stack]:
+def running_stack(
+    workdir: Path,
+    *,
+    lean: bool = False,
+    endpoints_file: Path | None = None,
+    config_text: str = CONFIG,
+) -> Iterator[Stack]:
     """Upstreams, `epp serve` and Envoy with manifests/envoy/envoy.yaml (GIE's
-    protocol) or envoy-lean.yaml (`lean`), all stopped on exit."""
+    protocol) or envoy-lean.yaml (`lean`), all stopped on exit.
+
+    With `endpoints_file` (a simulator fleet's, say) the EPP routes to those
+    endpoints instead, and no recording upstream is started."""
     with contextlib.ExitStack() as cleanup:
-        upstreams = Upstreams(3).start()
+        upstreams = Upstreams(3 if endpoints_file is None else 0).start()
         cleanup.callback(upstreams.stop)
-        endpoints = write_endpoints_file(
+        endpoints = endpoints_file or write_endpoints_file(
             workdir / "endpoints.yaml", [(u.name, u.address) for u in upstreams]
         )
         config = workdir / "config.yaml"
-        config.write_text(CONFIG)
+        config.write_text(config_text)
         ports = EppPorts.free()
         epp = start_epp(
             endpoints,

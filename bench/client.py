@@ -1,0 +1,270 @@
+"""The benchmark's load generator: streams OpenAI chat requests and times them.
+
+Arrivals (all in simulated seconds; the client sleeps `x time_scale` of wall time):
+
+- `poisson`: open loop, sessions start at the times of a Poisson process of `rate`
+  per second (exponential gaps from a generator seeded by the run's seed, so every
+  policy sees the same schedule); `rate` = inf starts them all at once;
+- `trace`: open loop at the sessions' own arrival times (trace replay);
+- `closed`: `concurrency` clients, each starting the next session when its previous
+  one is done.
+
+A session's turns go one after the other, the next only once the previous answer has
+ended (plus the session's think time); a failed turn ends its session, and its
+remaining turns are recorded as errors ("skipped").
+
+Per request: TTFT = until the first chunk carrying answer text (the chat role chunk
+has none), end-to-end = until `data: [DONE]`, both measured in wall time and divided
+by the time scale; output and cached tokens from the usage chunk; the pod from the
+`x-sim-pod` response header (None when a router does not pass it on); the status and,
+for a failure, what failed: an HTTP status, a connection error, a timeout, or a stream
+that ended without `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+from bench.workloads import Session, Workload
+
+ArrivalKind = Literal["poisson", "trace", "closed"]
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    kind: ArrivalKind
+    rate: float | None = None
+    concurrency: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "poisson" and (self.rate is None or self.rate <= 0):
+            raise ValueError("poisson arrivals need a rate > 0")
+        if self.kind == "closed" and (self.concurrency is None or self.concurrency < 1):
+            raise ValueError("closed-loop arrivals need a concurrency >= 1")
+
+    def label(self) -> str:
+        if self.kind == "poisson":
+            return f"rate {self.rate:g}/s"
+        if self.kind == "closed":
+            return f"concurrency {self.concurrency}"
+        return "trace timestamps"
+
+    def to_json(self) -> dict[str, Any]:
+        rate = self.rate
+        return {
+            "kind": self.kind,
+            "rate": None if rate is None or math.isinf(rate) else rate,
+            "rate_is_infinite": rate is not None and math.isinf(rate),
+            "concurrency": self.concurrency,
+        }
+
+
+def start_times(sessions: Sequence[Session], arrivals: Arrivals, seed: int) -> list[float]:
+    """Each session's start, simulated seconds after the run starts (open loop)."""
+    if arrivals.kind == "trace":
+        return [s.arrival_s or 0.0 for s in sessions]
+    if arrivals.kind != "poisson" or arrivals.rate is None:
+        raise ValueError("start times are for open-loop arrivals")
+    if math.isinf(arrivals.rate):
+        return [0.0] * len(sessions)
+    rng = random.Random(f"arrivals:{seed}:{arrivals.rate!r}")
+    now = 0.0
+    times = []
+    for _ in sessions:
+        now += rng.expovariate(arrivals.rate)
+        times.append(now)
+    return times
+
+
+@dataclass
+class Record:
+    session: int
+    turn: int
+    group: int
+    # Simulated seconds after the run's start the request was sent.
+    sent_s: float
+    ok: bool = False
+    status: int | None = None
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    pod: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _StreamError(Exception):
+    pass
+
+
+async def _stream(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    record: Record,
+    started: float,
+    scale: float,
+    timeout_s: float,
+) -> None:
+    """POST one streaming request and fill `record` in."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"content-type": "application/json"}
+    async with http.post(url, data=body, headers=headers, timeout=timeout) as response:
+        record.status = response.status
+        record.pod = response.headers.get("x-sim-pod")
+        if response.status != 200:
+            text = (await response.read())[:200].decode(errors="replace")
+            raise _StreamError(f"http {response.status}: {text.strip()}")
+        pending = b""
+        done = False
+        first: float | None = None
+        usage: dict[str, Any] | None = None
+        async for chunk in response.content.iter_any():
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                elif first is None and b'"content"' in data:
+                    event = json.loads(data)
+                    for choice in event.get("choices") or ():
+                        if (choice.get("delta") or {}).get("content"):
+                            first = time.perf_counter()
+                            break
+                if b'"usage"' in data and data != b"[DONE]":
+                    event = json.loads(data)
+                    if event.get("usage"):
+                        usage = event["usage"]
+        end = time.perf_counter()
+        if not done:
+            raise _StreamError("stream ended without [DONE]")
+        if first is not None:
+            record.ttft_s = (first - started) / scale
+        record.e2e_s = (end - started) / scale
+        if usage is not None:
+            record.prompt_tokens = usage.get("prompt_tokens")
+            record.output_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            record.cached_tokens = details.get("cached_tokens")
+        if first is None and (record.output_tokens or 0) > 0:
+            raise _StreamError("no answer text in the stream")
+
+
+async def send(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    record: Record,
+    scale: float,
+    timeout_s: float,
+) -> Record:
+    started = time.perf_counter()
+    try:
+        await _stream(http, url, body, record, started, scale, timeout_s)
+        record.ok = True
+    except _StreamError as exc:
+        record.error = str(exc)
+    except TimeoutError:
+        record.error = f"timeout after {timeout_s:.0f} wall seconds"
+    except aiohttp.ClientError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+@dataclass
+class RunTiming:
+    """Wall clock of a run: when the first request went out and the last one ended."""
+
+    first_sent: float = math.inf
+    last_done: float = 0.0
+
+    def duration_s(self, scale: float) -> float:
+        if self.last_done <= self.first_sent:
+            return 0.0
+        return (self.last_done - self.first_sent) / scale
+
+
+async def drive(
+    workload: Workload,
+    url: str,
+    arrivals: Arrivals,
+    *,
+    model: str,
+    time_scale: float,
+    seed: int,
+    request_timeout_s: float,
+    on_done: Callable[[Record], None] | None = None,
+) -> tuple[list[Record], RunTiming]:
+    """Send every session of `workload` to `url` (an OpenAI base URL) and time it.
+
+    `request_timeout_s` is in simulated seconds."""
+    endpoint = url.rstrip("/") + "/v1/chat/completions"
+    timeout_wall = request_timeout_s * time_scale
+    records: list[Record] = []
+    timing = RunTiming()
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    loop_start = time.perf_counter()
+
+    async with aiohttp.ClientSession(connector=connector) as http:
+
+        async def run_session(session: Session) -> None:
+            for index, turn in enumerate(session.turns):
+                now = time.perf_counter()
+                timing.first_sent = min(timing.first_sent, now)
+                record = Record(session.id, index, session.group, (now - loop_start) / time_scale)
+                body = json.dumps(turn.body(model)).encode()
+                await send(http, endpoint, body, record, time_scale, timeout_wall)
+                timing.last_done = max(timing.last_done, time.perf_counter())
+                records.append(record)
+                if on_done is not None:
+                    on_done(record)
+                if not record.ok:
+                    for skipped in range(index + 1, len(session.turns)):
+                        lost = Record(session.id, skipped, session.group, record.sent_s)
+                        lost.error = "skipped: an earlier turn of its session failed"
+                        records.append(lost)
+                        if on_done is not None:
+                            on_done(lost)
+                    return
+                if session.think_s > 0 and index + 1 < len(session.turns):
+                    await asyncio.sleep(session.think_s * time_scale)
+
+        if arrivals.kind == "closed":
+            queue = list(workload.sessions)
+            queue.reverse()
+
+            async def client() -> None:
+                while queue:
+                    await run_session(queue.pop())
+
+            assert arrivals.concurrency is not None
+            await asyncio.gather(*(client() for _ in range(arrivals.concurrency)))
+        else:
+            starts = start_times(workload.sessions, arrivals, seed)
+            tasks = []
+            for start, session in sorted(
+                zip(starts, workload.sessions, strict=True), key=lambda p: (p[0], p[1].id)
+            ):
+                delay = loop_start + start * time_scale - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(run_session(session)))
+            await asyncio.gather(*tasks)
+    records.sort(key=lambda r: (r.sent_s, r.session, r.turn))
+    return records, timing

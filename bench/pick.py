@@ -1,0 +1,531 @@
+"""`python -m bench.pick`: what precise prefix routing costs, in-process.
+
+Four measurements (docs/performance.md, "Precise prefix routing"):
+
+- pick latency, (a): a chat request whose 2,000-token system prompt was seen before
+  (two of the pods hold it) plus a new 200-token user message;
+- pick latency, (b): an unseen 8,000-token completion prompt, next to the time
+  tokenizing such a prompt takes by itself;
+- KV-event ingestion: vLLM-format payloads (16-block BlockStored events with their
+  tokens, and removals) decoded and applied, in blocks per second on one core;
+- index memory per (block, pod) entry at 1,000,000 entries (tracemalloc).
+
+The pick is the director's `pick_endpoint` with the `precise-prefix-cache-scorer`
+(speculative indexing on) and `max-score-picker`, over 16 endpoints whose index is
+filled through the real ingestion path; tokenization uses the real Qwen2.5
+tokenizer. Nothing here touches the network: it measures the EPP's own work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+import zmq.asyncio
+
+from epp.config import load_config
+from epp.datastore import Datastore, EndpointSpec
+from epp.director import Director
+from epp.kvindex.alignment import AlignmentChecker
+from epp.kvindex.hashing import EngineHasher, token_bytes, token_ids
+from epp.kvindex.index import PrefixIndex
+from epp.kvindex.ingest import PreciseIndex, StreamIndex
+from epp.logs import LogOnce
+from epp.requests import parse_request
+from epp.scheduling.registry import PluginRegistry
+from epp.scheduling.types import ResponseInfo
+from epp.sources.kv_events import KVEventStream, SubscriberSettings
+from epp.sources.kv_wire import decode_batch
+from epp.telemetry import Telemetry
+from epp.tokenization.tokenizer import PromptTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN = ROOT.parent / "shared" / "testdata" / "tokenizers" / "qwen2_5"
+WORDS = [
+    "time",
+    "person",
+    "year",
+    "way",
+    "day",
+    "thing",
+    "man",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "child",
+    "eye",
+    "woman",
+    "place",
+    "work",
+    "week",
+    "case",
+    "point",
+    "government",
+    "company",
+    "number",
+    "group",
+    "problem",
+    "fact",
+    "be",
+    "have",
+    "do",
+    "say",
+    "get",
+    "make",
+    "go",
+    "know",
+    "take",
+    "see",
+    "come",
+    "think",
+    "look",
+    "want",
+    "give",
+    "use",
+    "find",
+    "tell",
+    "ask",
+    "seem",
+    "feel",
+    "try",
+    "leave",
+    "call",
+    "good",
+    "new",
+    "first",
+    "last",
+    "long",
+    "great",
+    "little",
+    "own",
+    "other",
+    "old",
+    "right",
+    "big",
+    "high",
+    "different",
+    "small",
+    "large",
+    "next",
+    "early",
+    "young",
+    "important",
+    "few",
+    "public",
+    "bad",
+    "same",
+    "able",
+    "to",
+    "of",
+    "in",
+    "for",
+    "on",
+    "with",
+    "at",
+    "by",
+    "from",
+    "up",
+    "about",
+    "into",
+    "over",
+    "after",
+    "river",
+    "mountain",
+    "station",
+    "ticket",
+    "window",
+    "garden",
+    "kitchen",
+]
+
+
+_CONFIG = yaml.safe_dump(
+    {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {
+                "type": "precise-prefix-cache-scorer",
+                "name": "prefix",
+                "parameters": {
+                    "blockSize": 16,
+                    "hashSeed": "0",
+                    "speculativeIndexing": True,
+                    "tokenizers": [{"model": "*", "path": str(QWEN)}],
+                },
+            },
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [{"pluginRef": "prefix"}, {"pluginRef": "max-score-picker"}],
+            }
+        ],
+    }
+)
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "n": len(ordered),
+        "p50_ms": at(0.50) * 1e3,
+        "p90_ms": at(0.90) * 1e3,
+        "p99_ms": at(0.99) * 1e3,
+        "mean_ms": statistics.fmean(ordered) * 1e3,
+    }
+
+
+class Texts:
+    """Random English-like text of an exact token count (for the Qwen tokenizer)."""
+
+    def __init__(self, tokenizer: PromptTokenizer, seed: int = 1) -> None:
+        self.tokenizer = tokenizer
+        self.rng = random.Random(seed)
+
+    def make(self, tokens: int) -> str:
+        words = " ".join(self.rng.choice(WORDS) for _ in range(int(tokens * 1.3) + 10))
+        ids = token_ids(self.tokenizer.encode_now(words))[:tokens]
+        return str(self.tokenizer._model.decode(ids))
+
+
+def _engine_event(hasher: EngineHasher, tokens: list[int]) -> dict[str, Any]:
+    """A BlockStored event as vLLM (>= 0.24) publishes it for a prompt's full blocks."""
+    keys = hasher.keys(tokens)
+    size = hasher.block_size
+    return {
+        "type": "BlockStored",
+        "block_hashes": keys,
+        "parent_block_hash": None,
+        "token_ids": tokens[: len(keys) * size],
+        "block_size": size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(keys),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def _payload(*events: dict[str, Any]) -> Any:
+    return decode_batch(msgspec.msgpack.encode([time.time(), list(events), 0]))
+
+
+def _fill(
+    sinks: list[StreamIndex], hasher: EngineHasher, rng: random.Random, blocks_per_pod: int
+) -> None:
+    """Give every pod `blocks_per_pod` blocks of random prompts, through ingestion."""
+    for sink in sinks:
+        for _ in range(blocks_per_pod // 64):
+            prompt = [rng.randrange(151_000) for _ in range(64 * 16)]
+            sink.apply(_payload(_engine_event(hasher, prompt)))
+
+
+@dataclass
+class PickSetup:
+    director: Director
+    plugin: Any
+    tokenizer: PromptTokenizer
+    texts: Texts
+    system: str
+
+
+async def _setup(pods: int) -> PickSetup:
+    datastore = Datastore()
+    datastore.replace_all(
+        EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000", kv_events=f"tcp://10.0.0.{i + 1}:5557")
+        for i in range(pods)
+    )
+    config = load_config(_CONFIG, PluginRegistry.from_entry_points(), datastore=datastore)
+    plugin: Any = config.plugins["prefix"]
+    await plugin.tokenizers.load()
+    tokenizer = plugin.tokenizers.resolve("m").tokenizer
+    assert tokenizer is not None
+    director = Director(datastore, config, Telemetry(datastore))
+    # The subscriber is not started: the pods' streams are fed by hand, through the
+    # same ingestion path as live events.
+    sinks = [plugin.precise.add_stream(e, 0) for e in datastore.all_endpoints()]
+    hasher = EngineHasher("sha256", "0", 16)
+    _fill(sinks, hasher, random.Random(7), 4096)  # 16 x 4096 blocks of other prompts
+    texts = Texts(tokenizer)
+    # A 2,000-token system prompt, cached on two pods (the rendered prefix).
+    system = texts.make(2000)
+    system_ids = token_ids(tokenizer.encode_now("<|im_start|>system\n" + system + "<|im_end|>\n"))
+    for sink in sinks[3:5]:
+        sink.apply(_payload(_engine_event(hasher, system_ids)))
+    return PickSetup(director, plugin, tokenizer, texts, system)
+
+
+async def _timed_pick(director: Director, request: Any) -> tuple[float, str]:
+    started = time.perf_counter()
+    decision = await director.pick_endpoint(request)
+    elapsed = time.perf_counter() - started
+    director.finish(decision, ResponseInfo(completed=True))
+    return elapsed, decision.endpoint.name
+
+
+async def measure_chat(setup: PickSetup, iterations: int, warmup: int) -> dict[str, Any]:
+    """(a): the cached 2,000-token system prompt plus a new 200-token message."""
+    samples: list[float] = []
+    picked: dict[str, int] = {}
+    for i in range(iterations + warmup):
+        body = msgspec.json.encode(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": setup.system},
+                    {"role": "user", "content": setup.texts.make(200)},
+                ],
+            }
+        )
+        request = parse_request(
+            request_id=str(i), method="POST", path="/v1/chat/completions", headers={}, body=body
+        )
+        gc.collect(0)
+        elapsed, name = await _timed_pick(setup.director, request)
+        if i >= warmup:
+            samples.append(elapsed)
+            picked[name] = picked.get(name, 0) + 1
+    return {**_percentiles(samples), "picked": picked}
+
+
+async def measure_completion(setup: PickSetup, iterations: int) -> dict[str, Any]:
+    """(b): unseen 8,000-token completion prompts.
+
+    Each prompt is also tokenized by itself, by the tokenizer directly (so the EPP's
+    caches never see it) and on the worker threads the pick uses; the pick's cost
+    over tokenization is the difference, pair by pair, which keeps most of this
+    machine's noise out of it. The second encoding of a text is a little cheaper (the
+    tokenizer's own word cache), so the two take turns at going first. Then the same
+    request is picked again, its tokens now cached: the EPP's own work for it."""
+    encode = setup.tokenizer._model.encode_batch_fast
+    executor = setup.plugin.tokenizers.executor
+    loop = asyncio.get_running_loop()
+
+    def tokenize(text: str) -> bytes:
+        return token_bytes(encode([text], add_special_tokens=True)[0].ids)
+
+    async def alone(text: str) -> float:
+        started = time.perf_counter()
+        await loop.run_in_executor(executor, tokenize, text)
+        return time.perf_counter() - started
+
+    unseen: list[float] = []
+    tokenizing: list[float] = []
+    over: list[float] = []
+    known: list[float] = []
+    warmup = 5
+    for i in range(iterations + warmup):
+        text = setup.texts.make(8000)
+        body = msgspec.json.encode({"model": "m", "prompt": text})
+        request = parse_request(
+            request_id=f"b{i}", method="POST", path="/v1/completions", headers={}, body=body
+        )
+        gc.collect(0)
+        if i % 2:
+            tokenized = await alone(text)
+            first, _ = await _timed_pick(setup.director, request)
+        else:
+            first, _ = await _timed_pick(setup.director, request)
+            tokenized = await alone(text)
+        again, _ = await _timed_pick(setup.director, request)
+        if i >= warmup:
+            unseen.append(first)
+            tokenizing.append(tokenized)
+            over.append(first - tokenized)
+            known.append(again)
+    return {
+        "pick_unseen": _percentiles(unseen),
+        "tokenize_alone": _percentiles(tokenizing),
+        "pick_minus_tokenize": _percentiles(over),
+        "pick_tokens_known": _percentiles(known),
+    }
+
+
+async def measure_pick(pods: int, iterations: int, warmup: int) -> dict[str, Any]:
+    setup = await _setup(pods)
+    try:
+        return {
+            "a_chat_2000_cached_plus_200_new": await measure_chat(setup, iterations, warmup),
+            "b_completion_8000_unseen": await measure_completion(setup, max(20, iterations // 10)),
+            "index_entries": setup.plugin.precise.index.stats.entries,
+        }
+    finally:
+        setup.plugin.tokenizers.close()
+
+
+def _ingest_payloads(
+    hasher: EngineHasher, rng: random.Random, batches: int
+) -> tuple[list[bytes], int]:
+    """Engine-like batches: a 16-block BlockStored (256 tokens) per step, and a
+    16-block BlockRemoved every other step."""
+    payloads = []
+    blocks = 0
+    stored: list[list[int]] = []
+    for step in range(batches):
+        event = _engine_event(hasher, [rng.randrange(151_000) for _ in range(256)])
+        events = [event]
+        blocks += len(event["block_hashes"])
+        stored.append(event["block_hashes"])
+        if step % 2:
+            gone = stored.pop(0)
+            events.append(
+                {"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU", "group_idx": 0}
+            )
+            blocks += len(gone)
+        payloads.append(msgspec.msgpack.encode([time.time(), events, 0]))
+    return payloads, blocks
+
+
+async def measure_ingestion(batches: int) -> dict[str, Any]:
+    """Blocks per second through a stream's whole per-message path (frames, seq,
+    decode, apply, sampled alignment check), without the socket: what the event loop
+    spends per message, on one core (process CPU time)."""
+    rng = random.Random(3)
+    payloads, blocks = _ingest_payloads(EngineHasher("sha256", "0", 16), rng, batches)
+    out: dict[str, Any] = {"batches": batches, "blocks": blocks}
+    for name, check in (("alignment_check_on", True), ("alignment_check_off", False)):
+        hasher = EngineHasher("sha256", "0", 16)
+        precise = PreciseIndex(
+            PrefixIndex(10_000_000, {"gpu": 1.0, "cpu": 0.8}),
+            hasher,
+            AlignmentChecker(hasher) if check else None,
+            None,
+        )
+        datastore = Datastore()
+        datastore.replace_all([EndpointSpec("pod", "10.0.0.1:8000")])
+        sink = precise.add_stream(datastore.all_endpoints()[0], 0)
+        stream = KVEventStream(
+            zmq.asyncio.Context.instance(),
+            sink,
+            "tcp://127.0.0.1:1",
+            None,
+            SubscriberSettings(),
+            LogOnce(logging.getLogger("bench")),
+        )
+        messages = [[b"", seq.to_bytes(8, "big"), p] for seq, p in enumerate(payloads)]
+        gc.collect()
+        started = time.process_time()
+        for message in messages:
+            await stream.handle(message)
+        cpu = time.process_time() - started
+        assert stream.status.gaps == 0
+        assert sink.alignment.aligned is not False
+        out[name] = {"cpu_s": cpu, "blocks_per_s": blocks / cpu, "batches_per_s": batches / cpu}
+    return out
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_worker(entries: int, holders: int, mode: str, pods: int = 16) -> dict[str, Any]:
+    """Fill a fresh index with `entries` (block, pod) entries, each block held by
+    `holders` pods, and measure what it costs: by tracemalloc (the bytes Python asked
+    for) or by the growth of the resident set (what the process really holds,
+    allocator rounding included). Block keys are random 64-bit ints, created inside
+    the measurement like the decoded events' are; the index keeps them alive."""
+    rng = random.Random(11)
+    gc.collect()
+    if mode == "tracemalloc":
+        tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0] if mode == "tracemalloc" else _rss_bytes()
+    index = PrefixIndex(entries * 2, {"gpu": 1.0, "cpu": 0.8})
+    slots = [index.new_slot() for _ in range(pods)]
+    gpu = index.tier("gpu")
+    assert gpu is not None
+    chunk = 1024
+    for n in range(0, entries // holders, chunk):
+        part = [rng.getrandbits(64) for _ in range(chunk)]
+        for h in range(holders):
+            index.store(slots[(n // chunk + h * 5) % pods], gpu, part)
+        del part
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0] if mode == "tracemalloc" else _rss_bytes()
+    if mode == "tracemalloc":
+        tracemalloc.stop()
+    return {
+        "entries": index.stats.entries,
+        "keys": len(gpu.blocks),
+        "bytes": after - before,
+        "bytes_per_entry": (after - before) / index.stats.entries,
+    }
+
+
+def measure_memory(entries: int) -> dict[str, Any]:
+    """Each measurement in a fresh interpreter, so that memory freed by earlier work
+    does not hide the index's."""
+    out: dict[str, Any] = {}
+    for holders in (1, 2):
+        for mode in ("tracemalloc", "rss"):
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.pick", "--memory-worker",
+                 f"{entries},{holders},{mode}"],
+                capture_output=True, text=True, check=True, cwd=ROOT,
+            )  # fmt: skip
+            out[f"{holders}_pod_per_block_{mode}"] = json.loads(done.stdout)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pick",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--pods", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=1000, help="picks for (a); (b) does 1/10")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--ingest-batches", type=int, default=20_000)
+    parser.add_argument("--memory-entries", type=int, default=1_000_000)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_worker is not None:
+        entries, holders, mode = args.memory_worker.split(",")
+        print(json.dumps(memory_worker(int(entries), int(holders), mode)))
+        return 0
+    if not (QWEN / "tokenizer.json").is_file():
+        print(f"needs the Qwen2.5 tokenizer in {QWEN}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "pods": args.pods,
+    }
+    results["pick"] = asyncio.run(measure_pick(args.pods, args.iterations, args.warmup))
+    results["ingestion"] = asyncio.run(measure_ingestion(args.ingest_batches))
+    results["memory"] = measure_memory(args.memory_entries)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""The benchmark's outputs: results.json, report.md and PNG plots (matplotlib, Agg).
+
+Plots: `ttft_cdf.png` (TTFT CDF per policy), `hit_rate.png` (measured hit rate per
+policy with the bounds), `load_per_pod.png` (requests per pod per policy) for the
+last rung of the ladder, and for a ladder of two or more rates `ladder.png` (hit
+rate and TTFT p90 against the request rate).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # after use("Agg")
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+
+def _fmt(value: Any, spec: str, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec) + unit
+
+
+def _status(result: dict[str, Any]) -> str:
+    if result["status"] == "failed":
+        return f"**FAILED**: {result.get('failure')}"
+    if result["status"] == "errors":
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(result.get("error_kinds", {}).items()))
+        return f"errors ({kinds})"
+    return "ok"
+
+
+def table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
+    oracle = document["oracle"]
+    lines = [
+        "| policy | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | throughput (req/s)"
+        " | output tok/s | requests | errors | max/mean load | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in policies.items():
+        lines.append(
+            f"| {name} | {_fmt(r['hit_rate'], '.3f')} | {_fmt(r['ttft_p50_s'], '.3f')}"
+            f" | {_fmt(r['ttft_p90_s'], '.3f')} | {_fmt(r['ttft_p99_s'], '.3f')}"
+            f" | {_fmt(r['throughput_rps'], '.2f')} | {_fmt(r['output_tokens_per_s'], ',.0f')}"
+            f" | {r['requests']} | {r['errors']} | {_fmt(r['max_over_mean_load'], '.2f')}"
+            f" | {_status(r)} |"
+        )
+    lines.append(
+        f"| *bound h\\* (one copy per prefix, infinite cache)* | {oracle['h_star']:.3f}"
+        " | | | | | | | | | |"
+    )
+    lines.append(
+        f"| *h_random (uniform random over {oracle['pods']} pods, infinite caches)*"
+        f" | {oracle['h_random']:.3f} | | | | | | | | | |"
+    )
+    return lines
+
+
+def ladder_table(document: dict[str, Any]) -> list[str]:
+    names = list(document["ladder"][0]["policies"]) if document["ladder"] else []
+    head = "| load | " + " | ".join(f"{n} hit / TTFT p90 (s) / errors" for n in names) + " |"
+    lines = [head, "|---|" + "---|" * len(names)]
+    for rung in document["ladder"]:
+        cells = []
+        for name in names:
+            r = rung["policies"][name]
+            cell = f"{_fmt(r['hit_rate'], '.3f')} / {_fmt(r['ttft_p90_s'], '.3f')} / {r['errors']}"
+            if r["status"] == "failed":
+                cell += " FAILED"
+            cells.append(cell)
+        lines.append(f"| {rung['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
+    setup = document["setup"]
+    workload = document["workload"]
+    oracle = document["oracle"]
+    params = ", ".join(f"{k}={v}" for k, v in workload["params"].items())
+    last = document["ladder"][-1]["label"] if document["ladder"] else ""
+    lines = [
+        f"# Routing benchmark: {workload['name']}",
+        "",
+        "Produced by:",
+        "",
+        "```sh",
+        document["command"],
+        "```",
+        "",
+        f"- workload: `{workload['name']}` ({params}): {workload['requests']} requests,"
+        f" {workload['prompt_tokens']:,} prompt tokens",
+        f"- fleet: {setup['pods']} simulated vLLM pods (`python -m sim`), time scale"
+        f" {setup['time_scale']:g} (wall seconds per simulated second), KV blocks of"
+        f" {setup['block_size']} tokens, {setup['num_gpu_blocks'] or 'default'} blocks per pod,"
+        f" tokenizer {Path(setup['tokenizer']).name}; every policy starts on a fresh fleet",
+        "- EPP policies: client -> Envoy (manifests/envoy/envoy.yaml) -> EPP -> pod;"
+        " peers: client -> router -> pod",
+        f"- {setup['machine']['cpus']} CPUs; the run took {document['wall_seconds']:.0f} s",
+        "",
+        "Times are simulated seconds. Hit rate = prefix-cache hit tokens / prompt tokens,"
+        " from the pods' own counters. TTFT percentiles are over successful requests;"
+        " errors are counted separately, and a policy is marked FAILED when its run did"
+        f" not complete or more than {setup['max_error_rate']:.0%} of its requests failed.",
+        "",
+        f"## Results ({last})",
+        "",
+        *table(document, document["policies"]),
+        "",
+        f"Bounds for this request sequence ({oracle['requests']} requests, blocks of"
+        f" {oracle['block_size']}): h* = {oracle['h_star']:.3f} is the hit rate if every"
+        " request could reuse the longest block-aligned prefix it shares with any earlier"
+        f" request; h_random = {oracle['h_random']:.3f} is the expected hit rate of uniformly"
+        f" random routing over {oracle['pods']} pods with infinite caches (round-robin in"
+        f" arrival order: {oracle['h_round_robin']:.3f}). Both ignore time and eviction.",
+        "",
+    ]
+    warnings = []
+    for rung in document["ladder"]:
+        for name, r in rung["policies"].items():
+            fraction = r.get("sim_lag_fraction")
+            if fraction is not None and fraction > 0.02:
+                warnings.append(
+                    f"- {name} ({rung['label']}): the simulator fell {r['sim_lag_max_s']:.2f} s"
+                    f" behind ({fraction:.1%} of the run): the machine could not keep up with"
+                    " this time scale"
+                )
+    if warnings:
+        lines += ["Warnings:", "", *warnings, ""]
+    if len(document["ladder"]) > 1:
+        lines += ["## Load ladder", "", *ladder_table(document), ""]
+    load = document["policies"]
+    if load:
+        lines += ["## Requests per pod", ""]
+        for name, r in load.items():
+            per_pod = r.get("load_per_pod") or {}
+            if per_pod:
+                lines.append(f"- {name}: " + ", ".join(f"{p} {n}" for p, n in per_pod.items()))
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{Path(p).stem}]({p})" for p in plots]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ttfts(out: Path, result: dict[str, Any]) -> list[float]:
+    name = result.get("records_file")
+    if not name or not (out / name).is_file():
+        return []
+    values = []
+    with (out / name).open() as lines:
+        for line in lines:
+            record = json.loads(line)
+            if record["ok"] and record["ttft_s"] is not None:
+                values.append(float(record["ttft_s"]))
+    return sorted(values)
+
+
+def plot_ttft_cdf(document: dict[str, Any], out: Path) -> str | None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = False
+    for name, result in document["policies"].items():
+        values = _ttfts(out, result)
+        if not values:
+            continue
+        ys = [(i + 1) / len(values) for i in range(len(values))]
+        ax.step(values, ys, where="post", label=name)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (simulated seconds, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF: {document['workload']['name']} ({document['ladder'][-1]['label']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=110)
+    plt.close(fig)
+    return "ttft_cdf.png"
+
+
+def plot_hit_rate(document: dict[str, Any], out: Path) -> str | None:
+    policies = {n: r for n, r in document["policies"].items() if r.get("hit_rate") is not None}
+    if not policies:
+        return None
+    oracle = document["oracle"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(policies)
+    ax.bar(names, [policies[n]["hit_rate"] for n in names], color="tab:blue")
+    ax.axhline(oracle["h_star"], color="tab:green", linestyle="--", label="h* (bound)")
+    ax.axhline(oracle["h_random"], color="tab:red", linestyle=":", label="h_random (expected)")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("prefix-cache hit rate (tokens)")
+    ax.set_title("Measured hit rate (pods' counters) and bounds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "hit_rate.png", dpi=110)
+    plt.close(fig)
+    return "hit_rate.png"
+
+
+def plot_load(document: dict[str, Any], out: Path) -> str | None:
+    policies = {n: r for n, r in document["policies"].items() if r.get("load_per_pod")}
+    if not policies:
+        return None
+    pods = sorted({p for r in policies.values() for p in r["load_per_pod"]}, key=_pod_order)
+    fig, ax = plt.subplots(figsize=(max(7, len(pods) * 0.9), 4.5))
+    width = 0.8 / len(policies)
+    for i, (name, result) in enumerate(policies.items()):
+        xs = [j + (i - (len(policies) - 1) / 2) * width for j in range(len(pods))]
+        ax.bar(xs, [result["load_per_pod"].get(p, 0) for p in pods], width, label=name)
+    ax.set_xticks(range(len(pods)))
+    ax.set_xticklabels(pods)
+    ax.set_ylabel("requests served")
+    ax.set_title("Requests per pod")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "load_per_pod.png", dpi=110)
+    plt.close(fig)
+    return "load_per_pod.png"
+
+
+def _pod_order(name: str) -> tuple[str, int]:
+    head, _, tail = name.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (name, -1)
+
+
+def plot_ladder(document: dict[str, Any], out: Path) -> str | None:
+    rungs = [r for r in document["ladder"] if r["arrivals"].get("rate") is not None]
+    if len(rungs) < 2:
+        return None
+    rates = [r["arrivals"]["rate"] for r in rungs]
+    names = list(rungs[0]["policies"])
+    oracle = document["oracle"]
+    fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        hits = [r["policies"][name].get("hit_rate") for r in rungs]
+        p90 = [r["policies"][name].get("ttft_p90_s") for r in rungs]
+        hit_ax.plot(rates, [math.nan if h is None else h for h in hits], marker="o", label=name)
+        ttft_ax.plot(rates, [math.nan if t is None else t for t in p90], marker="o", label=name)
+    hit_ax.axhline(oracle["h_star"], color="tab:green", linestyle="--", label="h*")
+    hit_ax.axhline(oracle["h_random"], color="tab:red", linestyle=":", label="h_random")
+    hit_ax.set_ylim(0, 1)
+    hit_ax.set_xlabel("request rate (per simulated second)")
+    hit_ax.set_ylabel("prefix-cache hit rate")
+    hit_ax.set_title("Hit rate vs load")
+    ttft_ax.set_yscale("log")
+    ttft_ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ttft_ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ttft_ax.yaxis.set_minor_formatter(NullFormatter())
+    ttft_ax.set_xlabel("request rate (per simulated second)")
+    ttft_ax.set_ylabel("TTFT p90 (simulated seconds, log scale)")
+    ttft_ax.set_title("TTFT p90 vs load")
+    for ax in (hit_ax, ttft_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ladder.png", dpi=110)
+    plt.close(fig)
+    return "ladder.png"
+
+
+def write_outputs(document: dict[str, Any], out: Path) -> list[str]:
+    """results.json, the plots, then report.md (which shows them); returns the plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    plots = [
+        p
+        for p in (
+            plot_ttft_cdf(document, out),
+            plot_hit_rate(document, out),
+            plot_load(document, out),
+            plot_ladder(document, out),
+        )
+        if p is not None
+    ]
+    (out / "report.md").write_text(report_markdown(document, plots))
+    return plots

@@ -1,0 +1,444 @@
+"""Workloads for the routing benchmark: seeded, reproducible OpenAI chat requests.
+
+A workload is a list of sessions. A session is one or more turns, each a chat request
+(`messages`, `max_tokens`); the turns of a session are sent one after the other, each
+only once the previous answer has arrived. Single-request workloads have one turn per
+session; multi-turn conversations resend their whole history each turn.
+
+Text is made of "clean words": vocabulary entries that are a space plus 3-10 lowercase
+letters and that the tokenizer encodes back to exactly that one token. A text of n
+such words is n tokens long on its own and inside the chat template (the template's
+special tokens and newlines split the text before it is tokenized), so lengths are
+exact and are measured with the same tokenizer and chat template the simulator uses
+(`sim.tokenizer`: the real Qwen2.5 tokenizer when available, else the built-in one).
+
+Workloads (lengths in tokens):
+
+- `shared-prefix`: SGLang's generated-shared-prefix: `groups` system prompts of
+  `system_len` tokens, `prompts_per_group` questions of `question_len` tokens each,
+  answers of `output_len` tokens; the G x P requests are shuffled so groups interleave.
+- `hot-prefix`: the same shape, but one group carries `hot_share` of the `requests`
+  (the rest spread evenly over the other groups), shuffled.
+- `multi-turn`: `conversations` of `turns` turns: a system prompt shared by every
+  conversation, then per turn a new user message of `question_len` tokens; each turn
+  resends the history, the previous answers included. The answers in the history are
+  the simulator's (its answer text is fixed: the first `output_len` tokens of
+  `sim.tokenizer.ANSWER_TEXT`, repeated), so the workload is known in advance and its
+  bounds are exact.
+- `trace`: replay of a Mooncake-style JSONL trace, one request per line
+  `{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`. Each hash id
+  stands for a 512-token block; its words are drawn from a generator seeded by
+  (seed, hash id), so equal ids give equal text. The prompt is the blocks' text cut to
+  `input_length` tokens, as one user message after a fixed short system prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import random
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizerModel
+
+from sim.tokenizer import Tokenizer, answer_token_ids, load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+# The real Qwen2.5 tokenizer of the workspace's test data (tokenizer.json and the
+# chat template in tokenizer_config.json); without it, the simulator's built-in one.
+DEFAULT_TOKENIZER = (ROOT / ".." / "shared" / "testdata" / "tokenizers" / "qwen2_5").resolve()
+
+WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "trace")
+TRACE_BLOCK_TOKENS = 512
+TRACE_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def default_tokenizer_dir() -> Path | None:
+    return DEFAULT_TOKENIZER if (DEFAULT_TOKENIZER / "tokenizer.json").is_file() else None
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One chat request: the messages as sent (history included) and its answer length."""
+
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+    max_tokens: int
+
+    def body(self, model: str) -> dict[str, Any]:
+        """The OpenAI chat request, streamed with usage in the last chunk."""
+        return {
+            "model": model,
+            "messages": [{"role": role, "content": content} for role, content in self.messages],
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+
+@dataclass(frozen=True)
+class Session:
+    id: int
+    # The prefix group (system prompt) it belongs to; -1 when there is none.
+    group: int
+    turns: tuple[Turn, ...]
+    # Trace replay: when it arrives (simulated seconds from the start); else None
+    # and the arrival process decides.
+    arrival_s: float | None = None
+    # Simulated seconds between an answer and the next turn.
+    think_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    params: dict[str, Any]
+    sessions: tuple[Session, ...]
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+    def nominal_order(self) -> list[Turn]:
+        """Every request in the order the bounds assume: sessions by arrival (trace) or
+        as listed, each session's turns in order. For multi-turn workloads the turns of
+        different conversations interleave in time; this order keeps each conversation's
+        turns in sequence, which is all the bounds depend on when conversations share
+        nothing but the system prompt."""
+        sessions = sorted(
+            self.sessions,
+            key=lambda s: (s.arrival_s if s.arrival_s is not None else 0.0, s.id),
+        )
+        return [turn for s in sessions for turn in s.turns]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "params": self.params,
+            "sessions": len(self.sessions),
+            "requests": self.num_requests,
+        }
+
+
+# -- text ------------------------------------------------------------------------------
+
+
+@dataclass
+class Words:
+    """Clean words of a tokenizer: each (with its leading space) is exactly one token."""
+
+    tokenizer: Tokenizer
+    words: list[str]
+
+    def text(self, rng: random.Random, n: int) -> str:
+        return "".join(rng.choices(self.words, k=n))
+
+
+_CLEAN = re.compile(r"Ġ([a-z]{3,10})")
+
+
+@functools.lru_cache(maxsize=4)
+def load_words(directory: Path | None) -> Words:
+    """The tokenizer in `directory` (None: the simulator's built-in one) and its clean
+    words (loading takes about a second, hence the cache)."""
+    tokenizer = load_tokenizer(directory)
+    if directory is None:
+        # The built-in tokenizer makes one token of any space + word: syllable words.
+        onsets = [
+            "b",
+            "c",
+            "d",
+            "f",
+            "g",
+            "h",
+            "j",
+            "k",
+            "l",
+            "m",
+            "n",
+            "p",
+            "r",
+            "s",
+            "t",
+            "v",
+            "w",
+            "z",
+        ]
+        syllables = [o + v for o in onsets for v in "aeiou"]
+        words = [" " + a + b + c for a, b, c in itertools.product(syllables, repeat=3)]
+        return Words(tokenizer, words[:20_000])
+    vocab = HFTokenizerModel.from_file(str(directory / "tokenizer.json")).get_vocab()
+    words = []
+    for piece, token in sorted(vocab.items()):
+        match = _CLEAN.fullmatch(piece)
+        if match is None:
+            continue
+        word = " " + match.group(1)
+        if tokenizer.encode(word, add_special_tokens=False) == [token]:
+            words.append(word)
+    if len(words) < 1000:
+        raise ValueError(f"{directory}: too few clean words in the vocabulary ({len(words)})")
+    return Words(tokenizer, words)
+
+
+# -- the simulator's answers --------------------------------------------------------------
+
+
+def answer_ids(tokenizer: Tokenizer, n: int) -> list[int]:
+    """The token ids the simulator generates for an answer of n tokens."""
+    answer = answer_token_ids(tokenizer)
+    return [answer[i % len(answer)] for i in range(n)]
+
+
+def answer_text(tokenizer: Tokenizer, n: int) -> str:
+    """The text a streamed answer of n tokens adds up to (decoded token by token)."""
+    return "".join(tokenizer.decode([t]) for t in answer_ids(tokenizer, n))
+
+
+# -- generators ----------------------------------------------------------------------------
+
+
+def shared_prefix(
+    words: Words,
+    *,
+    groups: int = 64,
+    prompts_per_group: int = 16,
+    system_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    seed: int = 0,
+) -> Workload:
+    rng = random.Random(f"shared-prefix:{seed}")
+    systems = [words.text(rng, system_len) for _ in range(groups)]
+    sessions = []
+    for g, system in enumerate(systems):
+        for _ in range(prompts_per_group):
+            question = words.text(rng, question_len)
+            turn = Turn((("system", system), ("user", question)), output_len)
+            sessions.append((g, turn))
+    rng.shuffle(sessions)
+    params = {
+        "groups": groups,
+        "prompts_per_group": prompts_per_group,
+        "system_len": system_len,
+        "question_len": question_len,
+        "output_len": output_len,
+        "seed": seed,
+    }
+    return Workload(
+        "shared-prefix",
+        params,
+        tuple(Session(i, g, (turn,)) for i, (g, turn) in enumerate(sessions)),
+    )
+
+
+def hot_prefix(
+    words: Words,
+    *,
+    groups: int = 16,
+    requests: int = 512,
+    hot_share: float = 0.5,
+    system_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    seed: int = 0,
+) -> Workload:
+    if not 0.0 <= hot_share <= 1.0:
+        raise ValueError("hot_share must be in [0, 1]")
+    if groups < 2:
+        raise ValueError("hot-prefix needs at least 2 groups")
+    rng = random.Random(f"hot-prefix:{seed}")
+    systems = [words.text(rng, system_len) for _ in range(groups)]
+    hot = round(hot_share * requests)
+    # Group 0 is the hot one; the other groups take the rest in turn.
+    assignment = [0] * hot + [1 + i % (groups - 1) for i in range(requests - hot)]
+    sessions = []
+    for g in assignment:
+        question = words.text(rng, question_len)
+        sessions.append((g, Turn((("system", systems[g]), ("user", question)), output_len)))
+    rng.shuffle(sessions)
+    params = {
+        "groups": groups,
+        "requests": requests,
+        "hot_share": hot_share,
+        "system_len": system_len,
+        "question_len": question_len,
+        "output_len": output_len,
+        "seed": seed,
+    }
+    return Workload(
+        "hot-prefix",
+        params,
+        tuple(Session(i, g, (turn,)) for i, (g, turn) in enumerate(sessions)),
+    )
+
+
+def multi_turn(
+    words: Words,
+    *,
+    conversations: int = 32,
+    turns: int = 6,
+    system_len: int = 1024,
+    question_len: int = 256,
+    output_len: int = 128,
+    think_s: float = 0.0,
+    seed: int = 0,
+) -> Workload:
+    rng = random.Random(f"multi-turn:{seed}")
+    system = words.text(rng, system_len)
+    reply = answer_text(words.tokenizer, output_len)
+    sessions = []
+    for c in range(conversations):
+        history: list[tuple[str, str]] = [("system", system)]
+        session_turns = []
+        for _ in range(turns):
+            history.append(("user", words.text(rng, question_len)))
+            session_turns.append(Turn(tuple(history), output_len))
+            history.append(("assistant", reply))
+        sessions.append(Session(c, 0, tuple(session_turns), think_s=think_s))
+    params = {
+        "conversations": conversations,
+        "turns": turns,
+        "system_len": system_len,
+        "question_len": question_len,
+        "output_len": output_len,
+        "think_s": think_s,
+        "seed": seed,
+    }
+    return Workload("multi-turn", params, tuple(sessions))
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: Path, limit: int | None = None) -> list[TraceRecord]:
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+                record = TraceRecord(
+                    float(raw["timestamp"]),
+                    int(raw["input_length"]),
+                    int(raw["output_length"]),
+                    tuple(int(h) for h in raw["hash_ids"]),
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a trace record: {exc}") from exc
+            if record.input_length < 1 or record.output_length < 1:
+                raise ValueError(f"{path}:{number}: lengths must be >= 1")
+            if record.input_length > TRACE_BLOCK_TOKENS * len(record.hash_ids):
+                raise ValueError(
+                    f"{path}:{number}: input_length {record.input_length} exceeds its"
+                    f" {len(record.hash_ids)} blocks of {TRACE_BLOCK_TOKENS} tokens"
+                )
+            records.append(record)
+            if limit is not None and len(records) >= limit:
+                break
+    return records
+
+
+def trace(
+    words: Words,
+    path: Path,
+    *,
+    limit: int | None = None,
+    speed: float = 1.0,
+    max_input_len: int | None = None,
+    seed: int = 0,
+) -> Workload:
+    """Replay of a Mooncake-style trace; `speed` > 1 replays it faster."""
+    if speed <= 0:
+        raise ValueError("speed must be > 0")
+    records = read_trace(path, limit)
+    if not records:
+        raise ValueError(f"{path}: no trace records")
+    blocks: dict[int, list[str]] = {}
+
+    def block(hash_id: int) -> list[str]:
+        found = blocks.get(hash_id)
+        if found is None:
+            rng = random.Random(f"trace:{seed}:{hash_id}")
+            found = blocks[hash_id] = rng.choices(words.words, k=TRACE_BLOCK_TOKENS)
+        return found
+
+    start = min(r.timestamp_ms for r in records)
+    sessions = []
+    for i, record in enumerate(records):
+        length = record.input_length
+        if max_input_len is not None:
+            length = min(length, max_input_len)
+        pieces = [w for h in record.hash_ids for w in block(h)][:length]
+        turn = Turn(
+            (("system", TRACE_SYSTEM_PROMPT), ("user", "".join(pieces))), record.output_length
+        )
+        arrival = (record.timestamp_ms - start) / 1000.0 / speed
+        sessions.append(Session(i, record.hash_ids[0] if record.hash_ids else -1, (turn,), arrival))
+    params = {
+        "trace": str(path),
+        "limit": limit,
+        "speed": speed,
+        "max_input_len": max_input_len,
+        "seed": seed,
+        "records": len(records),
+    }
+    return Workload("trace", params, tuple(sessions))
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+def prompt_ids(tokenizer: Tokenizer, turn: Turn) -> list[int]:
+    """The prompt's token ids exactly as the simulator computes them for the request."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise ValueError(f"tokenizer {tokenizer.name} has no chat template")
+    messages = [{"role": role, "content": content} for role, content in turn.messages]
+    return tokenizer.encode(template.render(messages), add_special_tokens=False)
+
+
+def token_sequences(
+    tokenizer: Tokenizer, turns: Sequence[Turn]
+) -> Iterator[tuple[list[int], list[int]]]:
+    """For each turn: its prompt ids, and the answer ids the simulator generates."""
+    answers: dict[int, list[int]] = {}
+    for turn in turns:
+        answer = answers.get(turn.max_tokens)
+        if answer is None:
+            answer = answers[turn.max_tokens] = answer_ids(tokenizer, turn.max_tokens)
+        yield prompt_ids(tokenizer, turn), answer
+
+
+@dataclass
+class WorkloadSpec:
+    """What the command line asks for; `build` makes the workload."""
+
+    name: str
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    trace_path: Path | None = None
+
+    def build(self, words: Words) -> Workload:
+        options = {k: v for k, v in self.options.items() if v is not None}
+        if self.name == "shared-prefix":
+            return shared_prefix(words, seed=self.seed, **options)
+        if self.name == "hot-prefix":
+            return hot_prefix(words, seed=self.seed, **options)
+        if self.name == "multi-turn":
+            return multi_turn(words, seed=self.seed, **options)
+        if self.name == "trace":
+            if self.trace_path is None:
+                raise ValueError("the trace workload needs a trace file (--trace FILE)")
+            return trace(words, self.trace_path, seed=self.seed, **options)
+        raise ValueError(f"unknown workload {self.name!r}; choose from {', '.join(WORKLOADS)}")

@@ -1,0 +1,248 @@
+"""The approximate prefix index: which endpoint was recently sent which prompt
+prefix, learnt from this EPP's own routing decisions (GIE's approximate prefix
+cache, for pools whose engines publish no KV events).
+
+Prompts are cut into blocks without a tokenizer: a block is `block_size_tokens`
+tokens, estimated as `block_size_tokens * chars_per_token` characters of the
+prompt text (4 characters per token on average for English), or exactly
+`block_size_tokens` ids of a prompt given as token ids. Each block's hash chains
+the previous one's (xxh3-64, seeded with the previous hash), so equal hashes mean
+equal prefixes; the chain starts from a hash of the target model and the request's
+`cache_salt`, so two models, or two tenants with different salts, never share an
+entry. The last, partial block is hashed too (as GIE does): an identical prompt
+matches to its end. At most `max_blocks` blocks are hashed, computed only as far as
+a lookup needs them.
+
+The index keeps, per endpoint, an LRU of block hashes capped at that endpoint's
+capacity, and for each hash the endpoints holding it. A lookup walks the prompt's
+blocks from the first and stops at the first block no remaining candidate holds:
+an endpoint's match is the number of consecutive leading blocks it holds. Adding a
+prompt for an endpoint inserts its blocks deepest first, so the shared first
+blocks are the most recently used and, under pressure, the deep tail goes first.
+
+Memory: one entry per (endpoint, block), at most the sum of the endpoints'
+capacities (about 200 bytes each in CPython). An endpoint removed from the pool
+leaves the index with all its entries.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import Final
+
+import xxhash
+
+from epp.datastore import Endpoint
+from epp.requests import ChatPrompt, CompletionPrompt, InferenceRequest, Message, ResponsesPrompt
+
+DEFAULT_CHARS_PER_TOKEN: Final = 4.0
+
+# Separators that cannot appear in JSON text unescaped, so message boundaries and
+# roles cannot be forged by message content.
+_RECORD: Final = "\x1e"
+_UNIT: Final = "\x1f"
+
+_hash = xxhash.xxh3_64_intdigest
+
+
+def _message_text(message: Message) -> str:
+    if message.content is None:
+        body = ""
+    elif isinstance(message.content, str):
+        body = message.content
+    else:
+        # Non-text parts (images, audio) count by their exact JSON: another image is
+        # another prefix.
+        body = "".join(
+            part.text if part.text is not None else (part.data or b"").decode("utf-8", "replace")
+            for part in message.content
+        )
+    return f"{_RECORD}{message.role or ''}{_UNIT}{body}"
+
+
+def prompt_units(request: InferenceRequest) -> str | Sequence[int] | None:
+    """What a request's prompt is cut into blocks from: its text, its token ids, or
+    None for a request without a prompt."""
+    prompt = request.prompt
+    if prompt is None:
+        return None
+    if isinstance(prompt, CompletionPrompt):
+        # A batch is several sequences; the first one's prefix stands for them.
+        return prompt.prompts[0] if prompt.prompts else None
+    if isinstance(prompt, ChatPrompt):
+        tools = prompt.tools.decode("utf-8", "replace") if prompt.tools else ""
+        return tools + "".join(_message_text(m) for m in prompt.messages)
+    assert isinstance(prompt, ResponsesPrompt)
+    head = f"{_RECORD}instructions{_UNIT}{prompt.instructions or ''}"
+    if isinstance(prompt.input, str):
+        return head + _RECORD + prompt.input
+    return head + "".join(_message_text(m) for m in prompt.input)
+
+
+def _token_bytes(ids: Sequence[int]) -> bytes:
+    try:
+        return array("q", ids).tobytes()
+    except OverflowError:
+        return repr(tuple(ids)).encode()
+
+
+class PromptBlocks:
+    """A prompt's chained block hashes, computed on demand."""
+
+    __slots__ = ("_data", "_hashes", "_seed", "_step", "total")
+
+    def __init__(self, data: str | Sequence[int], step: int, seed: int, max_blocks: int) -> None:
+        """`step`: characters (text) or ids (token ids) per block; `max_blocks` 0:
+        no limit."""
+        blocks = math.ceil(len(data) / step) if data else 0
+        self.total = min(blocks, max_blocks) if max_blocks > 0 else blocks
+        self._data = data
+        self._step = step
+        self._hashes: list[int] = []
+        self._seed = seed
+
+    def hash(self, i: int) -> int:
+        """Block i's hash (0 <= i < total)."""
+        hashes = self._hashes
+        while len(hashes) <= i:
+            n = len(hashes)
+            previous = hashes[-1] if hashes else self._seed
+            chunk = self._data[n * self._step : (n + 1) * self._step]
+            raw = (
+                chunk.encode("utf-8", "surrogatepass")
+                if isinstance(chunk, str)
+                else _token_bytes(chunk)
+            )
+            hashes.append(_hash(raw, previous))
+        return hashes[i]
+
+    def all(self) -> list[int]:
+        if self.total:
+            self.hash(self.total - 1)
+        return self._hashes[: self.total]
+
+
+def chain_seed(model: str, cache_salt: str | None) -> int:
+    """Where a request's hash chain starts: its model and salt go into block 0."""
+    return _hash(f"{model}{_UNIT}{cache_salt or ''}".encode("utf-8", "surrogatepass"))
+
+
+def prompt_blocks(
+    request: InferenceRequest,
+    block_size_tokens: int,
+    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+    max_blocks: int = 0,
+) -> PromptBlocks | None:
+    """The request's blocks, or None when it has no prompt."""
+    data = prompt_units(request)
+    if data is None:
+        return None
+    step = (
+        block_size_tokens
+        if not isinstance(data, str)
+        else _block_chars(block_size_tokens, chars_per_token)
+    )
+    seed = chain_seed(request.target_model or request.model, request.cache_salt)
+    return PromptBlocks(data, step, seed, max_blocks)
+
+
+def _block_chars(block_size_tokens: int, chars_per_token: float) -> int:
+    return max(1, round(block_size_tokens * chars_per_token))
+
+
+class ApproxPrefixIndex:
+    """Per-endpoint LRUs of block hashes, and the endpoints holding each hash."""
+
+    def __init__(self) -> None:
+        self._lrus: dict[Endpoint, OrderedDict[int, None]] = {}
+        # A hash held by one endpoint (the usual case) maps to it directly; only
+        # shared hashes pay for a set.
+        self._owners: dict[int, Endpoint | set[Endpoint]] = {}
+        self.evictions = 0
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        """Entries (endpoint, block) in the index."""
+        return self._size
+
+    def blocks_of(self, endpoint: Endpoint) -> int:
+        lru = self._lrus.get(endpoint)
+        return len(lru) if lru is not None else 0
+
+    def match(self, blocks: PromptBlocks, candidates: Collection[Endpoint]) -> dict[Endpoint, int]:
+        """Per candidate holding the prompt's first block: how many leading blocks
+        it holds. Stops hashing where no candidate can match any further."""
+        matched: dict[Endpoint, int] = {}
+        alive: set[Endpoint] | None = None
+        owners_of = self._owners
+        for i in range(blocks.total):
+            owners = owners_of.get(blocks.hash(i))
+            if owners is None:
+                break
+            if isinstance(owners, Endpoint):
+                holders: set[Endpoint] = {owners}
+            else:
+                holders = owners
+            if alive is None:
+                wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+                alive = holders & wanted
+            else:
+                alive &= holders
+            if not alive:
+                break
+            for endpoint in alive:
+                matched[endpoint] = i + 1
+        return matched
+
+    def add(self, endpoint: Endpoint, hashes: Sequence[int], capacity: int) -> None:
+        """Record that `endpoint` now holds the blocks `hashes` (a prompt's, in
+        order), keeping at most `capacity` blocks for it."""
+        lru = self._lrus.get(endpoint)
+        if lru is None:
+            lru = self._lrus[endpoint] = OrderedDict()
+        owners_of = self._owners
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+                continue
+            lru[h] = None
+            self._size += 1
+            owners = owners_of.get(h)
+            if owners is None:
+                owners_of[h] = endpoint
+            elif isinstance(owners, Endpoint):
+                if owners is not endpoint:
+                    owners_of[h] = {owners, endpoint}
+            else:
+                owners.add(endpoint)
+        while len(lru) > capacity:
+            old, _ = lru.popitem(last=False)
+            self._disown(old, endpoint)
+            self.evictions += 1
+
+    def remove(self, endpoint: Endpoint) -> None:
+        """Forget everything about an endpoint (it left the pool)."""
+        lru = self._lrus.pop(endpoint, None)
+        if lru is None:
+            return
+        for h in lru:
+            self._disown(h, endpoint)
+
+    def _disown(self, h: int, endpoint: Endpoint) -> None:
+        self._size -= 1
+        owners = self._owners.get(h)
+        if owners is None:
+            return
+        if isinstance(owners, Endpoint):
+            if owners is endpoint:
+                del self._owners[h]
+            return
+        owners.discard(endpoint)
+        if len(owners) == 1:
+            self._owners[h] = next(iter(owners))
+        elif not owners:
+            del self._owners[h]

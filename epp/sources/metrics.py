@@ -1,0 +1,930 @@
+"""The metrics source: scrapes every endpoint's model-server /metrics page and keeps
+an `EndpointMetrics` snapshot per endpoint in the datastore.
+
+What is read (DESIGN §5), per engine (GIE's engine configs, chosen per endpoint by
+its `inference.networking.k8s.io/engine-type` label, else `llm-d.ai/engine-type`,
+else the default engine, vLLM):
+
+- vllm: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+  `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`), LoRA from
+  `vllm:lora_requests_info` (labels `running_lora_adapters`, `waiting_lora_adapters`,
+  `max_lora`), cache info from `vllm:cache_config_info` (`block_size`, `num_gpu_blocks`);
+- sglang: `sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`,
+  `sglang:cache_config_info` (`page_size`, `num_pages`); no LoRA;
+- trtllm-serve, triton-tensorrt-llm, triton: GIE's names (`BUILTIN_ENGINES`).
+
+Custom engines come from a `core-metrics-extractor`'s `engineConfigs` (GIE's shape:
+metric specs like `name{label=value}`).
+
+Reading a page. A vLLM page is tens of KB, mostly histogram buckets the EPP never
+reads, and it is read 20 times a second per pod: a full Prometheus parser
+(prometheus_client's takes milliseconds per page) would cost more than the rest of
+the scrape. So `read_series` finds the sample lines of the few wanted series with
+`bytes.find` (a sample line starts with its name at the beginning of a line;
+comment lines start with `#`), and parses only those lines, labels and value, with
+the text format's quoting and escapes. A test checks it against prometheus_client's
+parser on real-shaped pages. Where a series appears several times (vLLM's data-parallel
+engines each report one, `engine="0"`, `engine="1"`), request counts are summed and
+KV usage is the maximum: the pod's queue is the sum of its engines', and its most
+loaded engine is the one that fills up first. For LoRA the latest series wins (its
+value is a timestamp), as in GIE.
+
+Bad input never crashes and never becomes a silently wrong number:
+- no answer within the timeout, a refused connection, a non-200 status, a page none
+  of the engine's metrics are on (an HTML error page, garbage, the wrong engine):
+  the scrape fails, the previous snapshot is kept with `error` set, and it turns
+  stale once older than the staleness threshold (--metrics-staleness-threshold, 2 s);
+- a metric missing from the page, or NaN, infinite, negative (or a KV usage above
+  1): that fact goes in the snapshot's `missing` with the reason, and plugins score
+  it neutrally.
+/debug/endpoints shows both (`metrics.error`, `metrics.missing`, `metrics.reason`).
+
+Cost. Each endpoint is scraped by its own task, all on the same ticks of the
+period, so the answers arrive together and are read in few event-loop wakeups. A
+plain `http://` scrape uses `KeepAliveFetcher` (one kept-alive connection per
+endpoint, a minimal HTTP/1.1 reader); `https://` uses one shared aiohttp session.
+A page identical to the previous one (an idle pod) is not parsed again.
+docs/performance.md has the measured cost per endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import re
+import ssl
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from epp.datastore import (
+    CACHE_INFO,
+    DEFAULT_STALENESS_S,
+    KV_CACHE_USAGE,
+    LORA,
+    RUNNING,
+    WAITING,
+    Datastore,
+    Endpoint,
+    EndpointMetrics,
+)
+from epp.sources.http_fetch import FetchError, KeepAliveFetcher
+
+log = logging.getLogger(__name__)
+
+ENGINE_LABEL: Final = "inference.networking.k8s.io/engine-type"
+# llm-d's newer name for the same label, read when the configured one is absent.
+LLMD_ENGINE_LABEL: Final = "llm-d.ai/engine-type"
+DEFAULT_ENGINE: Final = "vllm"
+
+DEFAULT_INTERVAL_S: Final = 0.05  # GIE's --refresh-metrics-interval
+DEFAULT_TIMEOUT_S: Final = 1.0  # GIE's per-poll timeout
+
+
+# ---------------------------------------------------------------------------
+# Metric specs and engines.
+
+_SPEC: Final = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s*$", re.DOTALL)
+_SPEC_LABEL: Final = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*(?:"([^"]*)"|([^",}\s]+))\s*')
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """A series selector: a metric name and labels the series must have."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> MetricSpec:
+        """`name`, `name{label=value}` or `name{label="value",...}`; ValueError if not."""
+        match = _SPEC.match(text)
+        if match is None:
+            raise ValueError(f"{text!r} is not a metric spec like name or name{{label=value}}")
+        labels: list[tuple[str, str]] = []
+        block = (match.group(2) or "").strip()
+        if block:
+            for pair in block.split(","):
+                found = _SPEC_LABEL.fullmatch(pair)
+                if found is None:
+                    raise ValueError(f"{text!r}: {pair.strip()!r} is not label=value")
+                labels.append((found.group(1), found.group(2) or found.group(3) or ""))
+        return cls(match.group(1), tuple(labels))
+
+    def __str__(self) -> str:
+        if not self.labels:
+            return self.name
+        return self.name + "{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Where an engine's /metrics page carries each fact. Each fact lists
+    alternatives: the first one present on the page is used (vLLM renamed its KV
+    usage gauge)."""
+
+    name: str
+    waiting: tuple[MetricSpec, ...] = ()
+    running: tuple[MetricSpec, ...] = ()
+    kv_usage: tuple[MetricSpec, ...] = ()
+    lora: tuple[MetricSpec, ...] = ()
+    # An info gauge whose labels carry the block size and block count...
+    cache_info: tuple[MetricSpec, ...] = ()
+    cache_block_size_label: str = "block_size"
+    cache_num_blocks_label: str = "num_gpu_blocks"
+    # ... or plain gauges holding them (TensorRT-LLM).
+    cache_block_size: tuple[MetricSpec, ...] = ()
+    cache_num_blocks: tuple[MetricSpec, ...] = ()
+    custom: tuple[tuple[str, MetricSpec], ...] = ()
+
+    def series_names(self) -> list[str]:
+        specs = [
+            *self.waiting,
+            *self.running,
+            *self.kv_usage,
+            *self.lora,
+            *self.cache_info,
+            *self.cache_block_size,
+            *self.cache_num_blocks,
+            *(spec for _, spec in self.custom),
+        ]
+        return sorted({spec.name for spec in specs})
+
+
+def _specs(*texts: str) -> tuple[MetricSpec, ...]:
+    return tuple(MetricSpec.parse(t) for t in texts)
+
+
+BUILTIN_ENGINES: Final[Mapping[str, EngineSpec]] = {
+    "vllm": EngineSpec(
+        "vllm",
+        waiting=_specs("vllm:num_requests_waiting"),
+        running=_specs("vllm:num_requests_running"),
+        kv_usage=_specs("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        lora=_specs("vllm:lora_requests_info"),
+        cache_info=_specs("vllm:cache_config_info"),
+    ),
+    "sglang": EngineSpec(
+        "sglang",
+        waiting=_specs("sglang:num_queue_reqs"),
+        running=_specs("sglang:num_running_reqs"),
+        kv_usage=_specs("sglang:token_usage"),
+        cache_info=_specs("sglang:cache_config_info"),
+        cache_block_size_label="page_size",
+        cache_num_blocks_label="num_pages",
+    ),
+    "trtllm-serve": EngineSpec(
+        "trtllm-serve",
+        waiting=_specs("trtllm_num_requests_waiting"),
+        running=_specs("trtllm_num_requests_running"),
+        kv_usage=_specs("trtllm_kv_cache_utilization"),
+        cache_block_size=_specs("trtllm_kv_cache_tokens_per_block"),
+        cache_num_blocks=_specs("trtllm_kv_cache_max_blocks"),
+    ),
+    "triton-tensorrt-llm": EngineSpec(
+        "triton-tensorrt-llm",
+        waiting=_specs("nv_trt_llm_request_metrics{request_type=waiting}"),
+        running=_specs("nv_trt_llm_request_metrics{request_type=scheduled}"),
+        kv_usage=_specs("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}"),
+        cache_block_size=_specs(
+            "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=tokens_per}"
+        ),
+        cache_num_blocks=_specs("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max}"),
+    ),
+    "triton": EngineSpec(
+        "triton",
+        waiting=_specs("nv_inference_pending_request_count"),
+        running=_specs("nv_inference_exec_count"),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------
+# Reading the wanted series off a page.
+
+
+class PageError(ValueError):
+    """The page cannot be used at all (not a metrics page, or not this engine's)."""
+
+
+class Sample:
+    """One sample line: its value, and its labels, parsed only when asked for (the
+    request counts of most engines need none)."""
+
+    __slots__ = ("_cache", "_raw", "value")
+
+    def __init__(
+        self, raw_labels: bytes, value: float, cache: dict[bytes, dict[str, str]] | None = None
+    ) -> None:
+        self._raw = raw_labels
+        self._cache = cache
+        self.value = value
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        cache = self._cache
+        if cache is None:
+            return _labels(self._raw)
+        found = cache.get(self._raw)
+        if found is None:
+            if len(cache) >= LABEL_CACHE_SIZE:
+                cache.clear()  # a crude bound; the same few label sets come back
+            found = cache[self._raw] = _labels(self._raw)
+        return found
+
+
+# Label sets parsed before, by their text: info series (LoRA, cache config) carry
+# the same labels scrape after scrape, and parsing them is most of a page's cost.
+LABEL_CACHE_SIZE: Final = 4096
+
+
+# One name="value" pair of a label set; the value's pattern is the "unrolled loop"
+# form, which consumes runs of ordinary bytes at once.
+_LABEL_PAIR: Final = re.compile(
+    rb'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"\\]*(?:\\.[^"\\]*)*)"\s*,?'
+)
+_ESCAPE: Final = re.compile(rb"\\(.)")
+_ESCAPES: Final = {b"n": b"\n", b"\\": b"\\", b'"': b'"'}
+
+
+def _unescape(value: bytes) -> str:
+    if b"\\" in value:
+        value = _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), b"\\" + m.group(1)), value)
+    return value.decode("utf-8", errors="replace")
+
+
+def _labels(block: bytes) -> dict[str, str]:
+    """The pairs of a label set (the text between `{` and `}`); labels that do not
+    parse yield an empty set, which matches no spec that asks for labels."""
+    labels: dict[str, str] = {}
+    pos = 0
+    size = len(block.rstrip())
+    while pos < size:
+        match = _LABEL_PAIR.match(block, pos)
+        if match is None:
+            return {}
+        labels[match.group(1).decode("ascii")] = _unescape(match.group(2))
+        pos = match.end()
+    return labels
+
+
+_METRIC_NAME: Final = re.compile(rb"[a-zA-Z_:][a-zA-Z0-9_:]*")
+# Sample names a family's lines may carry besides its own (histograms, summaries,
+# counters).
+_SUFFIXES: Final = (b"_bucket", b"_count", b"_sum", b"_total", b"_created", b"_gcount", b"_gsum")
+
+
+def _family_of(name: bytes) -> bytes:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _sample_lines(page: bytes, name: bytes) -> list[bytes]:
+    """The sample lines of exactly the series `name`, each without the name (from
+    its label set or value to the end of the line).
+
+    The text format keeps all lines of a family together, so once the first sample
+    is found the others are among the lines right after it, up to the next family:
+    the rest of the page is not searched (a full search of a 40 KB page costs more
+    than reading the few lines the EPP needs)."""
+    size = len(name)
+    end = len(page)
+    if page.startswith(name) and size < end and page[size] in _AFTER_NAME:
+        line = 0
+    else:
+        needle = b"\n" + name
+        pos = page.find(needle)
+        while pos >= 0:
+            after = pos + 1 + size
+            # The name must end here: `vllm:num_requests_waiting` is also the start
+            # of other metric names.
+            if after < end and page[after] in _AFTER_NAME:
+                break
+            pos = page.find(needle, after)
+        if pos < 0:
+            return []
+        line = pos + 1
+    lines: list[bytes] = []
+    family: bytes | None = None
+    while True:
+        next_line = page.find(b"\n", line)
+        stop = next_line if next_line >= 0 else end
+        after = line + size
+        if after < stop and page[after] in _AFTER_NAME and page.startswith(name, line):
+            lines.append(page[after:stop])
+        else:
+            # Another sample of the same family (a histogram's _count between two
+            # label sets' _bucket lines) may be skipped; anything else ends it.
+            found = _METRIC_NAME.match(page, line)
+            if found is None:
+                break  # a comment: the next family's HELP or TYPE
+            if family is None:
+                family = _family_of(name)
+            if _family_of(found.group()) != family:
+                break
+        if next_line < 0:
+            break
+        line = next_line + 1
+    return lines
+
+
+# Byte values that may follow a metric name on a sample line: `{`, space, tab.
+_AFTER_NAME: Final = frozenset(b"{ \t")
+
+
+def read_series(
+    page: bytes, name: str, label_cache: dict[bytes, dict[str, str]] | None = None
+) -> tuple[list[Sample], list[str]]:
+    """The samples of the series `name` on a Prometheus text page, and a note per
+    sample line that could not be read. `label_cache` keeps parsed label sets
+    across pages."""
+    samples: list[Sample] = []
+    problems: list[str] = []
+    for line in _sample_lines(page, name.encode("ascii")):
+        raw_labels = b""
+        if line[:1] == b"{":
+            # Label values may hold `}`, but the value and timestamp after the set
+            # never do: the set ends at the line's last `}`.
+            close = line.rfind(b"}")
+            if close < 0:
+                problems.append(f"{name}: unterminated label set")
+                continue
+            raw_labels = line[1:close]
+            line = line[close + 1 :]
+        fields = line.split(None, 1)
+        if not fields:
+            problems.append(f"{name}: a sample without a value")
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            problems.append(f"{name}: value {fields[0][:20]!r} is not a number")
+            continue
+        samples.append(Sample(raw_labels, value, label_cache))
+    return samples, problems
+
+
+def _matching(samples: Sequence[Sample], spec: MetricSpec) -> list[Sample]:
+    if not spec.labels:
+        return list(samples)
+    return [s for s in samples if all(s.labels.get(k) == v for k, v in spec.labels)]
+
+
+class _Page:
+    """One page, each series read at most once."""
+
+    def __init__(self, page: bytes, label_cache: dict[bytes, dict[str, str]] | None) -> None:
+        self.page = page
+        self.label_cache = label_cache
+        self._series: dict[str, tuple[list[Sample], list[str]]] = {}
+
+    def find(self, specs: Sequence[MetricSpec]) -> tuple[MetricSpec, list[Sample]] | str:
+        """The first spec with matching samples and those samples, or why none."""
+        notes: list[str] = []
+        for spec in specs:
+            if spec.name not in self._series:
+                self._series[spec.name] = read_series(self.page, spec.name, self.label_cache)
+            samples, problems = self._series[spec.name]
+            matching = _matching(samples, spec)
+            if matching:
+                return spec, matching
+            notes.extend(problems)
+        if notes:
+            return "; ".join(notes)
+        return f"{' or '.join(str(s) for s in specs)} not on the page"
+
+
+_INF: Final = math.inf
+
+
+def _bad_value(value: float, spec: MetricSpec, upper: float | None = None) -> str | None:
+    if math.isnan(value):
+        return f"{spec} is NaN"
+    if math.isinf(value):
+        return f"{spec} is infinite"
+    if value < 0:
+        return f"{spec} is negative ({value:g})"
+    if upper is not None and value > upper:
+        return f"{spec} is {value:g}, above {upper:g}"
+    return None
+
+
+def _int_label(labels: Mapping[str, str], name: str) -> int | None:
+    text = labels.get(name, "").strip()
+    if not text.isdigit():
+        return None
+    return int(text)
+
+
+def _adapters(text: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in text.split(",") if part.strip())
+
+
+def read_page(
+    page: bytes, engine: EngineSpec, label_cache: dict[bytes, dict[str, str]] | None = None
+) -> dict[str, object]:
+    """The `EndpointMetrics` fields a page gives for `engine` (including `missing`).
+
+    Raises `PageError` when none of the engine's request or KV metrics is on it."""
+    reader = _Page(page, label_cache)
+    values: dict[str, object] = {}
+    missing: dict[str, str] = {}
+    on_page = False  # whether any request or KV series of the engine is on the page
+
+    def lookup(fact: str, specs: tuple[MetricSpec, ...]) -> tuple[MetricSpec, list[Sample]] | None:
+        nonlocal on_page
+        if not specs:
+            missing[fact] = f"the {engine.name} engine config has no metric for it"
+            return None
+        found = reader.find(specs)
+        if isinstance(found, str):
+            missing[fact] = found
+            return None
+        on_page = True
+        return found
+
+    for fact, specs, attr in (
+        (WAITING, engine.waiting, "waiting_requests"),
+        (RUNNING, engine.running, "running_requests"),
+        (KV_CACHE_USAGE, engine.kv_usage, "kv_cache_usage"),
+    ):
+        found = lookup(fact, specs)
+        if found is None:
+            continue
+        spec, samples = found
+        upper = 1.0 if fact == KV_CACHE_USAGE else None
+        total = 0.0
+        highest = 0.0
+        for sample in samples:
+            value = sample.value
+            # The usual values (finite, >= 0, at most 1 for KV usage) pass with
+            # one comparison chain; anything else gets its reason.
+            if not ((0.0 <= value <= 1.0) if upper else (0.0 <= value < _INF)):
+                problem = _bad_value(value, spec, upper) or f"{spec} is {value}"
+                missing[fact] = problem + (" (expected a fraction in [0, 1])" if upper else "")
+                break
+            total += value
+            highest = max(highest, value)
+        else:
+            values[attr] = highest if upper else round(total)
+
+    if not on_page:
+        wanted = ", ".join(str(s) for s in (*engine.waiting, *engine.running, *engine.kv_usage))
+        details = "; ".join(sorted(set(missing.values())))
+        raise PageError(
+            f"none of the {engine.name} engine's metrics ({wanted}) is on the page"
+            f" ({details}): is this a {engine.name} server, with the right engine-type label?"
+        )
+
+    if not engine.lora:
+        missing[LORA] = f"the {engine.name} engine reports no LoRA metric"
+    else:
+        lora = reader.find(engine.lora)
+        if isinstance(lora, str):
+            missing[LORA] = lora
+        else:
+            spec, samples = lora
+            # The gauge's value is when the series was set: the latest one is current.
+            latest = max(samples, key=lambda s: s.value if not math.isnan(s.value) else -1.0)
+            max_lora = _int_label(latest.labels, "max_lora")
+            if max_lora is None:
+                missing[LORA] = f"{spec} has no integer max_lora label"
+            else:
+                values["running_adapters"] = _adapters(
+                    latest.labels.get("running_lora_adapters", "")
+                )
+                values["waiting_adapters"] = _adapters(
+                    latest.labels.get("waiting_lora_adapters", "")
+                )
+                values["max_adapters"] = max_lora
+
+    _cache_info(reader, engine, values, missing)
+
+    custom: dict[str, float] = {}
+    for key, spec in engine.custom:
+        series = reader.find((spec,))
+        if isinstance(series, str):
+            missing[f"custom:{key}"] = series
+            continue
+        value = series[1][0].value
+        if not math.isfinite(value):
+            missing[f"custom:{key}"] = f"{spec} is {value}"
+            continue
+        custom[key] = value
+    if custom:
+        values["custom"] = custom
+    values["missing"] = missing
+    return values
+
+
+def _cache_info(
+    reader: _Page, engine: EngineSpec, values: dict[str, object], missing: dict[str, str]
+) -> None:
+    if engine.cache_info:
+        found = reader.find(engine.cache_info)
+        if isinstance(found, str):
+            missing[CACHE_INFO] = found
+            return
+        spec, samples = found
+        labels = samples[0].labels
+        block_size = _int_label(labels, engine.cache_block_size_label)
+        num_blocks = _int_label(labels, engine.cache_num_blocks_label)
+        if not block_size or not num_blocks:
+            missing[CACHE_INFO] = (
+                f"{spec} has no positive integer {engine.cache_block_size_label}"
+                f" and {engine.cache_num_blocks_label} labels"
+            )
+            return
+        values["block_size"] = block_size
+        values["num_gpu_blocks"] = num_blocks
+        return
+    if engine.cache_block_size and engine.cache_num_blocks:
+        sizes = reader.find(engine.cache_block_size)
+        counts = reader.find(engine.cache_num_blocks)
+        if isinstance(sizes, str) or isinstance(counts, str):
+            missing[CACHE_INFO] = sizes if isinstance(sizes, str) else str(counts)
+            return
+        size_value, count_value = sizes[1][0].value, counts[1][0].value
+        if (
+            not (math.isfinite(size_value) and math.isfinite(count_value))
+            or min(size_value, count_value) < 1
+        ):
+            missing[CACHE_INFO] = "block size or block count is not a positive number"
+            return
+        values["block_size"] = int(size_value)
+        values["num_gpu_blocks"] = int(count_value)
+        return
+    missing[CACHE_INFO] = f"the {engine.name} engine reports no cache configuration"
+
+
+# ---------------------------------------------------------------------------
+# The extractor: which engine an endpoint runs, and its page -> a snapshot.
+
+
+class MetricsExtractor:
+    """Turns an endpoint's /metrics page into its `EndpointMetrics` (GIE's
+    `core-metrics-extractor`; the plugin of that type is this class with GIE's
+    parameters)."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, EngineSpec] | None = None,
+        default_engine: str = DEFAULT_ENGINE,
+        engine_label_key: str = ENGINE_LABEL,
+    ) -> None:
+        merged = dict(BUILTIN_ENGINES)
+        merged.update(engines or {})
+        if default_engine not in merged:
+            raise ValueError(
+                f"defaultEngine {default_engine!r} is not an engine config"
+                f" (known: {', '.join(sorted(merged))})"
+            )
+        self.engines: Mapping[str, EngineSpec] = merged
+        self.default_engine = default_engine
+        self.engine_label_key = engine_label_key
+        self._label_cache: dict[bytes, dict[str, str]] = {}
+
+    def engine_for(self, endpoint: Endpoint) -> EngineSpec:
+        """The endpoint's engine, from its engine-type label; PageError if the label
+        names an engine nobody configured (scraping it could only mislead)."""
+        labels = endpoint.labels
+        name = labels.get(self.engine_label_key) or labels.get(LLMD_ENGINE_LABEL)
+        if not name:
+            return self.engines[self.default_engine]
+        engine = self.engines.get(name)
+        if engine is None:
+            raise PageError(
+                f"engine type {name!r} (endpoint label) has no engine config"
+                f" (known: {', '.join(sorted(self.engines))})"
+            )
+        return engine
+
+    def extract(
+        self,
+        data: bytes,
+        endpoint: Endpoint,
+        *,
+        now: float = 0.0,
+        staleness_s: float = DEFAULT_STALENESS_S,
+    ) -> EndpointMetrics:
+        """The snapshot for a page scraped at `now`; PageError if unusable."""
+        values = read_page(data, self.engine_for(endpoint), self._label_cache)
+        return EndpointMetrics(updated_at=now, staleness_s=staleness_s, **values)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# The scraper.
+
+
+@dataclass(frozen=True)
+class ScrapeSettings:
+    interval_s: float = DEFAULT_INTERVAL_S
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    staleness_s: float = DEFAULT_STALENESS_S
+    scheme: str = "http"
+    path: str = "/metrics"
+    insecure_skip_verify: bool = True
+    ca_cert_path: str | None = None
+    client_cert_path: str | None = None
+    client_key_path: str | None = None
+    # "fast": plain http:// through KeepAliveFetcher; "aiohttp": everything
+    # through the shared aiohttp session (https always is).
+    http_client: str = "fast"
+    max_page_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(eq=False)
+class _Target:
+    endpoint: Endpoint
+    url: str
+    fetcher: KeepAliveFetcher | None
+    task: asyncio.Task[None] | None = None
+    last_page: bytes | None = None
+    failing: bool = False
+    last_error: str | None = None
+
+
+RESULTS: Final = ("ok", "unchanged", "timeout", "connect_error", "http_error", "bad_page")
+
+
+class MetricsScraper:
+    """Keeps every endpoint's `metrics` snapshot fresh. Built without I/O; `run()`
+    scrapes until cancelled, following the endpoint set as it changes."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        extractor: MetricsExtractor,
+        settings: ScrapeSettings,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.datastore = datastore
+        self.extractor = extractor
+        self.settings = settings
+        self._targets: dict[Endpoint, _Target] = {}
+        self._session: aiohttp.ClientSession | None = None
+        # Built at the first https:// scrape (it reads certificate files).
+        self._ssl: ssl.SSLContext | None = None
+        self._running = False
+        registry = registry if registry is not None else CollectorRegistry()
+        scrapes = Counter(
+            "epp_metrics_scrapes",
+            "Scrapes of model-server /metrics pages, by result: ok, unchanged (the same"
+            " page as before, not parsed again), timeout, connect_error, http_error,"
+            " bad_page (none of the engine's metrics on it).",
+            ["result"],
+            registry=registry,
+        )
+        self._results = {result: scrapes.labels(result) for result in RESULTS}
+        registry.register(_StaleCollector(datastore))
+
+    def url_for(self, endpoint: Endpoint) -> str:
+        if endpoint.spec.metrics_url:
+            return endpoint.spec.metrics_url
+        s = self.settings
+        return f"{s.scheme}://{endpoint.address}{s.path}"
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._running = True
+        self.datastore.add_listener(self._membership)
+        try:
+            for endpoint in self.datastore.all_endpoints():
+                self._start(endpoint)
+            await asyncio.Event().wait()
+        finally:
+            self._running = False
+            self.datastore.remove_listener(self._membership)
+            targets = list(self._targets.values())
+            self._targets.clear()
+            for target in targets:
+                self._stop(target)
+            for target in targets:
+                if target.task is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await target.task
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        s = self.settings
+        if s.insecure_skip_verify and not s.ca_cert_path:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        else:
+            context = ssl.create_default_context(cafile=s.ca_cert_path)
+        if s.client_cert_path:
+            context.load_cert_chain(s.client_cert_path, s.client_key_path)
+        return context
+
+    def _membership(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        if not self._running:
+            return
+        for endpoint in removed:
+            target = self._targets.pop(endpoint, None)
+            if target is not None:
+                self._stop(target)
+        for endpoint in added:
+            self._start(endpoint)
+
+    def _start(self, endpoint: Endpoint) -> None:
+        if endpoint in self._targets:
+            return
+        url = self.url_for(endpoint)
+        fetcher = None
+        if self.settings.http_client == "fast" and urlsplit(url).scheme == "http":
+            fetcher = KeepAliveFetcher(url, self.settings.max_page_bytes)
+        target = _Target(endpoint, url, fetcher)
+        target.task = asyncio.get_running_loop().create_task(
+            self._poll(target), name=f"metrics:{endpoint.name}"
+        )
+        self._targets[endpoint] = target
+
+    @staticmethod
+    def _stop(target: _Target) -> None:
+        if target.task is not None:
+            target.task.cancel()
+        if target.fetcher is not None:
+            target.fetcher.close()
+
+    # -- scraping ----------------------------------------------------------------
+
+    async def _poll(self, target: _Target) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.settings.interval_s
+        # Every endpoint is scraped on the same ticks (multiples of the interval on
+        # the loop's clock, so endpoints added later join them): the answers come
+        # back together and are read in a few wakeups of the event loop. Spreading
+        # the scrapes over the period instead cost about 40% more CPU per scrape
+        # (measured; docs/performance.md): one wakeup and context switch each.
+        next_at = (math.floor(loop.time() / interval) + 1) * interval
+        while True:
+            await asyncio.sleep(next_at - loop.time())
+            try:
+                await self.scrape(target)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug must not silently end this endpoint's scraping.
+                log.exception("metrics scrape of %s failed unexpectedly", target.endpoint.name)
+            next_at += interval
+            now = loop.time()
+            if next_at <= now:
+                # The scrape overran its period (a slow server, a busy loop): go on
+                # at the next tick, without a burst of catch-up scrapes.
+                next_at = (math.floor(now / interval) + 1) * interval
+
+    async def _fetch(self, target: _Target) -> tuple[int, bytes]:
+        if target.fetcher is not None:
+            return await target.fetcher.get()
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                cookie_jar=aiohttp.DummyCookieJar(),
+                headers={"Accept": "text/plain", "Accept-Encoding": "identity"},
+            )
+        ssl_context: ssl.SSLContext | bool = False
+        if target.url.startswith("https:"):
+            if self._ssl is None:
+                self._ssl = self._ssl_context()
+            ssl_context = self._ssl
+        async with self._session.get(
+            target.url, ssl=ssl_context, allow_redirects=False
+        ) as response:
+            limit = self.settings.max_page_bytes
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.content.iter_chunked(64 * 1024):
+                size += len(chunk)
+                if size > limit:
+                    raise FetchError(f"the page is over {limit} bytes")
+                chunks.append(chunk)
+            return response.status, b"".join(chunks)
+
+    async def scrape(self, target: _Target) -> None:
+        """One scrape of one endpoint; never raises for bad input."""
+        endpoint = target.endpoint
+        try:
+            async with asyncio.timeout(self.settings.timeout_s):
+                status, page = await self._fetch(target)
+        except TimeoutError:
+            self._failed(target, "timeout", f"no answer within {self.settings.timeout_s:g}s")
+            return
+        except (OSError, aiohttp.ClientError) as exc:
+            self._failed(target, "connect_error", f"{type(exc).__name__}: {exc}")
+            return
+        except FetchError as exc:
+            self._failed(target, "bad_page", str(exc))
+            return
+        now = time.monotonic()
+        if status != 200:
+            self._failed(target, "http_error", f"HTTP {status} from {target.url}")
+            return
+        if page == target.last_page and not target.failing:
+            # The same page as last time (an idle pod): same facts, fresh time.
+            self._store(target, dataclasses.replace(endpoint.metrics, updated_at=now))
+            self._results["unchanged"].inc()
+            return
+        try:
+            snapshot = self.extractor.extract(
+                page, endpoint, now=now, staleness_s=self.settings.staleness_s
+            )
+        except PageError as exc:
+            target.last_page = None
+            self._failed(target, "bad_page", str(exc))
+            return
+        target.last_page = page
+        self._store(target, snapshot)
+        self._results["ok"].inc()
+        if target.failing:
+            target.failing = False
+            target.last_error = None
+            log.info("metrics of %s are back (%s)", endpoint.name, target.url)
+
+    def _store(self, target: _Target, snapshot: EndpointMetrics) -> None:
+        endpoint = target.endpoint
+        # A removed endpoint, or one replaced by a new spec under the same name,
+        # must not receive this scrape.
+        if self._targets.get(endpoint) is target and self.datastore.get(endpoint.name) is endpoint:
+            self.datastore.set_metrics(endpoint.name, snapshot)
+
+    def _failed(self, target: _Target, result: str, message: str) -> None:
+        self._results[result].inc()
+        endpoint = target.endpoint
+        previous = endpoint.metrics
+        # Keep the last good values (and their time: they turn stale by age), and say
+        # what went wrong.
+        self._store(
+            target,
+            dataclasses.replace(previous, error=message, staleness_s=self.settings.staleness_s),
+        )
+        if not target.failing or message != target.last_error:
+            # Once per change of trouble, not 20 times a second.
+            log.warning("metrics of %s (%s): %s", endpoint.name, target.url, message)
+        target.failing = True
+        target.last_error = message
+
+
+class _StaleCollector(Collector):
+    """`epp_metrics_stale_endpoints`, computed at exposition time."""
+
+    def __init__(self, datastore: Datastore) -> None:
+        self.datastore = datastore
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic()
+        family = GaugeMetricFamily(
+            "epp_metrics_stale_endpoints",
+            "Endpoints whose model-server metrics are older than the staleness threshold"
+            " (plugins score them neutrally; /debug/endpoints says why).",
+        )
+        family.add_metric(
+            [], sum(1 for e in self.datastore.all_endpoints() if e.metrics.stale(now))
+        )
+        yield family
+
+
+def describe_metrics(metrics: EndpointMetrics, now: float | None = None) -> dict[str, object]:
+    """The `metrics` object of /debug/endpoints."""
+    now = time.monotonic() if now is None else now
+    age = metrics.age(now)
+    stale = metrics.stale(now)
+    reason: str | None = None
+    if metrics.updated_at == 0.0:
+        reason = "never scraped" + (f": {metrics.error}" if metrics.error else "")
+    elif stale:
+        reason = f"stale: last good scrape {age:.1f}s ago (threshold {metrics.staleness_s:g}s)"
+        if metrics.error:
+            reason += f"; last error: {metrics.error}"
+    elif metrics.missing:
+        reason = "; ".join(f"{fact}: {why}" for fact, why in metrics.missing.items())
+    return {
+        "waiting": metrics.waiting_requests,
+        "running": metrics.running_requests,
+        "kvCacheUsage": metrics.kv_cache_usage,
+        "stale": stale,
+        "ageSeconds": None if math.isinf(age) else round(age, 3),
+        "error": metrics.error,
+        "missing": dict(metrics.missing),
+        "reason": reason,
+        "lora": {
+            "running": sorted(metrics.running_adapters),
+            "waiting": sorted(metrics.waiting_adapters),
+            "max": metrics.max_adapters,
+        },
+        "cacheInfo": {"blockSize": metrics.block_size, "numGpuBlocks": metrics.num_gpu_blocks},
+    }

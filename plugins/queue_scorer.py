@@ -1,0 +1,45 @@
+"""`queue-scorer`: prefers endpoints with fewer requests waiting in the model
+server's queue (GIE's scorer of the same name).
+
+Formula, over the candidates whose waiting count is known (fresh metrics that
+report it), with q the waiting requests and qmin, qmax their smallest and largest:
+
+    score = (qmax - q) / (qmax - qmin)        1.0 for all when qmax == qmin
+
+An endpoint whose metrics are stale or lack the queue length scores 0.5 (neutral):
+neither preferred over a known short queue nor avoided like a known long one, and
+left out of qmin/qmax so it cannot distort the others' scale. No parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from epp.datastore import WAITING, Endpoint
+from epp.requests import InferenceRequest
+from epp.scheduling import METRICS, CycleState, PluginContext
+
+NEUTRAL: Final = 0.5
+
+
+class QueueScorer:
+    consumes = frozenset({METRICS})
+
+    def __init__(self, params: object, context: PluginContext) -> None:
+        pass
+
+    def score(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> Mapping[Endpoint, float]:
+        now = time.monotonic()
+        queues = {e: e.metrics.waiting_requests for e in endpoints if e.metrics.known(WAITING, now)}
+        if not queues:
+            return dict.fromkeys(endpoints, NEUTRAL)
+        low, high = min(queues.values()), max(queues.values())
+        span = high - low
+        return {
+            e: NEUTRAL if e not in queues else 1.0 if span == 0 else (high - queues[e]) / span
+            for e in endpoints
+        }

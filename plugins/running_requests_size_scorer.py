@@ -1,0 +1,46 @@
+"""`running-requests-size-scorer`: prefers endpoints with fewer requests in the model
+server's running batch (GIE's scorer of the same name).
+
+Formula, over the candidates whose running count is known, with r the running
+requests and rmin, rmax their smallest and largest:
+
+    score = (rmax - r) / (rmax - rmin)        1.0 for all when rmax == rmin
+
+An endpoint whose metrics are stale or lack the running count scores 0.5 (neutral)
+and is left out of rmin/rmax. No parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from epp.datastore import RUNNING, Endpoint
+from epp.requests import InferenceRequest
+from epp.scheduling import METRICS, CycleState, PluginContext
+
+NEUTRAL: Final = 0.5
+
+
+class RunningRequestsSizeScorer:
+    consumes = frozenset({METRICS})
+
+    def __init__(self, params: object, context: PluginContext) -> None:
+        pass
+
+    def score(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> Mapping[Endpoint, float]:
+        now = time.monotonic()
+        running = {
+            e: e.metrics.running_requests for e in endpoints if e.metrics.known(RUNNING, now)
+        }
+        if not running:
+            return dict.fromkeys(endpoints, NEUTRAL)
+        low, high = min(running.values()), max(running.values())
+        span = high - low
+        return {
+            e: NEUTRAL if e not in running else 1.0 if span == 0 else (high - running[e]) / span
+            for e in endpoints
+        }

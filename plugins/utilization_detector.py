@@ -1,0 +1,90 @@
+"""`utilization-detector`: GIE's saturation detector; also a filter.
+
+Per endpoint, with q its waiting requests, u its KV cache usage, Q =
+`queueDepthThreshold` (default 5) and K = `kvCacheUtilThreshold` (default 0.8):
+
+    load = max(q / Q, u / K)
+
+An endpoint whose metrics are older than `metricsStalenessThreshold` (default
+200ms, GIE's; metrics are scraped every 50 ms) counts as fully loaded (1.0): it is
+not known to have room. A fact the engine does not report (KV usage on Triton) is
+left out of the max; an endpoint with neither counts as 1.0.
+
+- As the saturation detector (the config's `saturationDetector`, or the default
+  one when some objective is sheddable): pool saturation = mean load over the
+  request's candidates (no candidate: 1.0). At 1.0 or more, requests whose
+  objective has a negative priority are shed with a 429; others are admitted.
+- As a filter (in a profile): keeps endpoints with fresh metrics and
+  q < Q * (1 + headroom) and u < K * (1 + headroom); `headroom` (default 0) lets
+  affinity push a pod past its ideal load before it is avoided. If that would drop
+  every endpoint, all are kept (fail open) and the scorers choose.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+
+from epp.datastore import KV_CACHE_USAGE, WAITING, Endpoint
+from epp.durations import Duration, parse_duration
+from epp.requests import InferenceRequest
+from epp.scheduling import METRICS, CycleState, PluginContext
+
+
+class UtilizationDetector:
+    consumes = frozenset({METRICS})
+
+    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+        queue_depth_threshold: Annotated[int, msgspec.Meta(gt=0)] = 5
+        kv_cache_util_threshold: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
+        metrics_staleness_threshold: Duration = "200ms"
+        headroom: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+
+    def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.queue_threshold = params.queue_depth_threshold
+        self.kv_threshold = params.kv_cache_util_threshold
+        self.staleness_s = parse_duration(params.metrics_staleness_threshold)
+        if self.staleness_s <= 0:
+            raise ValueError("metricsStalenessThreshold must be positive")
+        self.headroom = params.headroom
+
+    def load(self, endpoint: Endpoint, now: float) -> float:
+        """The endpoint's load, 1.0 = at its thresholds; 1.0 when unknown."""
+        metrics = endpoint.metrics
+        if metrics.age(now) > self.staleness_s:
+            return 1.0
+        ratios = []
+        if WAITING not in metrics.missing:
+            ratios.append(metrics.waiting_requests / self.queue_threshold)
+        if KV_CACHE_USAGE not in metrics.missing:
+            ratios.append(metrics.kv_cache_usage / self.kv_threshold)
+        return max(ratios) if ratios else 1.0
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float:
+        if not endpoints:
+            return 1.0
+        now = time.monotonic()
+        return sum(self.load(e, now) for e in endpoints) / len(endpoints)
+
+    def filter(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> Sequence[Endpoint]:
+        now = time.monotonic()
+        queue_limit = self.queue_threshold * (1.0 + self.headroom)
+        kv_limit = self.kv_threshold * (1.0 + self.headroom)
+        kept = []
+        for e in endpoints:
+            metrics = e.metrics
+            if metrics.age(now) > self.staleness_s:
+                continue
+            if WAITING in metrics.missing and KV_CACHE_USAGE in metrics.missing:
+                continue  # nothing known about its load
+            if WAITING not in metrics.missing and metrics.waiting_requests >= queue_limit:
+                continue
+            if KV_CACHE_USAGE not in metrics.missing and metrics.kv_cache_usage >= kv_limit:
+                continue
+            kept.append(e)
+        return kept or endpoints

@@ -1,0 +1,218 @@
+"""The metrics scraper against real HTTP servers: freshness, staleness, every kind
+of bad answer, and endpoints coming and going."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from epp.datastore import WAITING, Datastore, Endpoint, EndpointSpec
+from epp.sources.metrics import MetricsExtractor, MetricsScraper, ScrapeSettings, describe_metrics
+from tests.epp.sources.metrics_server import MetricsServer
+from tests.epp.sources.pages import vllm_page
+
+FAST = ScrapeSettings(interval_s=0.02, timeout_s=0.2, staleness_s=0.4)
+
+
+class Running:
+    def __init__(self, datastore: Datastore, scraper: MetricsScraper) -> None:
+        self.datastore = datastore
+        self.scraper = scraper
+
+    def endpoint(self, name: str) -> Endpoint:
+        found = self.datastore.get(name)
+        assert found is not None
+        return found
+
+    async def until(self, check: Callable[[], bool], timeout_s: float = 3.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            assert time.monotonic() < deadline, "condition not met in time"
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def scraping(
+    servers: dict[str, MetricsServer | str], settings: ScrapeSettings = FAST
+) -> AsyncIterator[tuple[Running, CollectorRegistry]]:
+    datastore = Datastore()
+    datastore.replace_all(
+        EndpointSpec(name, s.address if isinstance(s, MetricsServer) else s)
+        for name, s in servers.items()
+    )
+    registry = CollectorRegistry()
+    scraper = MetricsScraper(datastore, MetricsExtractor(), settings, registry)
+    task = asyncio.create_task(scraper.run())
+    try:
+        yield Running(datastore, scraper), registry
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[MetricsServer]]:
+    running = [await MetricsServer(page=vllm_page(waiting=i + 1)).start() for i in range(3)]
+    yield running
+    for server in running:
+        await server.stop()
+
+
+def sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float:
+    value = registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+async def test_every_endpoint_gets_fresh_metrics(servers: list[MetricsServer]) -> None:
+    pods = {f"pod-{i}": s for i, s in enumerate(servers)}
+    async with scraping(pods) as (run, registry):
+        await run.until(lambda: all(run.endpoint(n).metrics.updated_at > 0 for n in pods))
+        for i in range(3):
+            metrics = run.endpoint(f"pod-{i}").metrics
+            assert metrics.waiting_requests == i + 1
+            assert metrics.running_requests == 12
+            assert metrics.kv_cache_usage == 0.42
+            assert not metrics.stale()
+            assert metrics.error is None
+        servers[0].page = vllm_page(waiting=40, kv_usage=0.9)
+        await run.until(lambda: run.endpoint("pod-0").metrics.waiting_requests == 40)
+        assert run.endpoint("pod-0").metrics.kv_cache_usage == 0.9
+        # Idle pods serve the same page: it is not parsed again, only re-dated.
+        await run.until(
+            lambda: sample(registry, "epp_metrics_scrapes_total", {"result": "unchanged"}) > 3
+        )
+        assert sample(registry, "epp_metrics_stale_endpoints") == 0
+    # One connection per endpoint, kept alive across scrapes.
+    assert all(len(s.peers) == 1 for s in servers)
+
+
+async def test_a_hung_metrics_endpoint_turns_stale_with_the_reason(
+    servers: list[MetricsServer],
+) -> None:
+    async with scraping({"pod": servers[0]}) as (run, registry):
+        await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
+        servers[0].delay_s = 0.6  # longer than the 0.2s timeout
+        await run.until(lambda: run.endpoint("pod").metrics.error is not None)
+        metrics = run.endpoint("pod").metrics
+        assert "no answer within 0.2s" in (metrics.error or "")
+        assert metrics.waiting_requests == 1  # the last good values are kept...
+        await run.until(lambda: run.endpoint("pod").metrics.stale())  # ...until too old
+        described = describe_metrics(run.endpoint("pod").metrics)
+        assert described["stale"] is True
+        assert "stale: last good scrape" in str(described["reason"])
+        assert "no answer within" in str(described["reason"])
+        assert sample(registry, "epp_metrics_scrapes_total", {"result": "timeout"}) >= 1
+        assert sample(registry, "epp_metrics_stale_endpoints") == 1
+        servers[0].delay_s = 0.0
+        await run.until(lambda: not run.endpoint("pod").metrics.stale())
+        assert run.endpoint("pod").metrics.error is None
+
+
+@pytest.mark.parametrize(
+    ("change", "result", "message"),
+    [
+        ({"status": 500}, "http_error", "HTTP 500"),
+        ({"page": b"<html>oops</html>"}, "bad_page", "none of the vllm engine's metrics"),
+        ({"page": bytes(range(256)) * 100}, "bad_page", "none of the vllm engine's metrics"),
+    ],
+    ids=["http-500", "html", "binary"],
+)
+async def test_bad_answers_are_errors_never_numbers(
+    servers: list[MetricsServer], change: dict[str, object], result: str, message: str
+) -> None:
+    async with scraping({"pod": servers[0]}) as (run, registry):
+        await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
+        for key, value in change.items():
+            setattr(servers[0], key, value)
+        await run.until(lambda: run.endpoint("pod").metrics.error is not None)
+        assert message in (run.endpoint("pod").metrics.error or "")
+        await run.until(lambda: run.endpoint("pod").metrics.stale())
+        assert sample(registry, "epp_metrics_scrapes_total", {"result": result}) >= 1
+
+
+async def test_nan_and_negative_values_leave_the_fact_unknown(
+    servers: list[MetricsServer],
+) -> None:
+    servers[0].page = vllm_page(waiting="NaN", kv_usage="-1")
+    async with scraping({"pod": servers[0]}) as (run, _):
+        await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
+        metrics = run.endpoint("pod").metrics
+        assert not metrics.known(WAITING)
+        assert metrics.known("running")
+        described = describe_metrics(metrics)
+        assert "is NaN" in str(described["reason"])
+        assert "negative" in str(described["reason"])
+
+
+async def test_an_unreachable_endpoint_is_never_fresh() -> None:
+    async with scraping({"gone": "127.0.0.1:1"}) as (run, registry):
+        await run.until(lambda: run.endpoint("gone").metrics.error is not None)
+        metrics = run.endpoint("gone").metrics
+        assert metrics.stale()
+        assert "never scraped" in str(describe_metrics(metrics)["reason"])
+        assert sample(registry, "epp_metrics_scrapes_total", {"result": "connect_error"}) >= 1
+
+
+async def test_endpoints_added_and_removed_start_and_stop_being_scraped(
+    servers: list[MetricsServer],
+) -> None:
+    async with scraping({"pod-0": servers[0]}) as (run, _):
+        await run.until(lambda: run.endpoint("pod-0").metrics.updated_at > 0)
+        run.datastore.replace_all(
+            [EndpointSpec("pod-0", servers[0].address), EndpointSpec("pod-1", servers[1].address)]
+        )
+        await run.until(lambda: run.endpoint("pod-1").metrics.waiting_requests == 2)
+        run.datastore.replace_all([EndpointSpec("pod-1", servers[1].address)])
+        await asyncio.sleep(0.1)
+        seen = servers[0].requests
+        await asyncio.sleep(0.2)
+        assert servers[0].requests == seen  # no longer scraped
+        assert servers[1].requests > 0
+        # A new address under the same name is a new endpoint, scraped afresh.
+        run.datastore.replace_all([EndpointSpec("pod-1", servers[2].address)])
+        await run.until(lambda: run.endpoint("pod-1").metrics.waiting_requests == 3)
+    assert run.scraper._targets == {}
+
+
+async def test_the_aiohttp_client_path_reads_the_same(servers: list[MetricsServer]) -> None:
+    settings = ScrapeSettings(
+        interval_s=0.02, timeout_s=0.5, staleness_s=1.0, http_client="aiohttp"
+    )
+    servers[0].chunked = True
+    # The facts at the very end of a long page: the whole body must be read.
+    servers[0].page = b"# filler comment line\n" * 20_000 + vllm_page(waiting=9)
+    async with scraping({"pod": servers[0]}, settings) as (run, _):
+        await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
+        assert run.endpoint("pod").metrics.waiting_requests == 9
+        assert run.endpoint("pod").metrics.num_gpu_blocks == 27500
+
+
+async def test_metrics_url_and_path_are_honoured(servers: list[MetricsServer]) -> None:
+    datastore = Datastore()
+    datastore.replace_all(
+        [
+            EndpointSpec("a", "10.9.9.9:8000", metrics_url=f"http://{servers[0].address}/metrics"),
+            EndpointSpec("b", servers[1].address),
+        ]
+    )
+    scraper = MetricsScraper(
+        datastore, MetricsExtractor(), ScrapeSettings(interval_s=0.02, path="/other/path")
+    )
+    assert scraper.url_for(datastore.get("a")) == f"http://{servers[0].address}/metrics"  # type: ignore[arg-type]
+    assert scraper.url_for(datastore.get("b")) == f"http://{servers[1].address}/other/path"  # type: ignore[arg-type]
+    task = asyncio.create_task(scraper.run())
+    try:
+        deadline = time.monotonic() + 3
+        while not all(e.metrics.updated_at for e in datastore.all_endpoints()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,150 @@
+"""The approximate prefix index: chunking, chaining, salts, the LRU bound."""
+
+from __future__ import annotations
+
+import msgspec
+
+from epp.approxindex import ApproxPrefixIndex, PromptBlocks, chain_seed, prompt_blocks
+from epp.requests import InferenceRequest, parse_request
+from tests.plugins.helpers import make_endpoints
+
+
+def request(body: dict[str, object], path: str = "/v1/completions") -> InferenceRequest:
+    return parse_request(
+        request_id="r", method="POST", path=path, headers={}, body=msgspec.json.encode(body)
+    )
+
+
+def blocks_of(
+    body: dict[str, object], path: str = "/v1/completions", **kwargs: int
+) -> PromptBlocks:
+    found = prompt_blocks(request(body, path), kwargs.pop("block_size", 4), 4.0, **kwargs)
+    assert found is not None
+    return found
+
+
+def test_text_is_cut_into_blocks_of_tokens_times_chars_per_token() -> None:
+    # 4 tokens x 4 characters = 16 characters per block; the partial tail counts.
+    blocks = blocks_of({"model": "m", "prompt": "x" * 40})
+    assert blocks.total == 3
+    assert len(blocks.all()) == 3
+    capped = blocks_of({"model": "m", "prompt": "x" * 400}, max_blocks=5)
+    assert capped.total == 5
+
+
+def test_token_id_prompts_are_cut_by_ids() -> None:
+    blocks = blocks_of({"model": "m", "prompt": list(range(10))})
+    assert blocks.total == 3  # 4 + 4 + 2 ids
+
+
+def test_equal_prefixes_share_leading_hashes_and_chain() -> None:
+    a = blocks_of({"model": "m", "prompt": "A" * 32 + "tail one"}).all()
+    b = blocks_of({"model": "m", "prompt": "A" * 32 + "tail two"}).all()
+    assert a[:2] == b[:2]
+    assert a[2] != b[2]
+    # A block's hash depends on everything before it, not only on its own text.
+    c = blocks_of({"model": "m", "prompt": "B" * 16 + "A" * 16}).all()
+    assert c[1] != a[1]
+
+
+def test_model_and_salt_are_in_the_first_block() -> None:
+    base = blocks_of({"model": "m", "prompt": "same text here!!"}).all()
+    salted = blocks_of({"model": "m", "prompt": "same text here!!", "cache_salt": "tenant-a"}).all()
+    other_model = blocks_of({"model": "m2", "prompt": "same text here!!"}).all()
+    assert base != salted != other_model
+    assert chain_seed("m", None) == chain_seed("m", "")
+    assert chain_seed("m", "a") != chain_seed("m", "b")
+
+
+def test_chat_and_responses_prompts_have_blocks() -> None:
+    chat = blocks_of(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "hi"},
+            ],
+        },
+        "/v1/chat/completions",
+    )
+    assert chat.total >= 2
+    # A role is part of the prefix: the same text as another role is another prefix.
+    swapped = blocks_of(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "You are terse."},
+                {"role": "user", "content": "hi"},
+            ],
+        },
+        "/v1/chat/completions",
+    )
+    assert chat.hash(0) != swapped.hash(0)
+    responses = blocks_of(
+        {"model": "m", "input": "hello there", "instructions": "be brief"}, "/v1/responses"
+    )
+    assert responses.total >= 1
+    assert prompt_blocks(request({"model": "m"}, "/v1/models"), 4) is None
+
+
+def test_match_counts_leading_blocks_per_candidate() -> None:
+    index = ApproxPrefixIndex()
+    a, b, c = make_endpoints(3)
+    long = blocks_of({"model": "m", "prompt": "P" * 64})  # 4 blocks
+    half = blocks_of({"model": "m", "prompt": "P" * 32 + "Q" * 32})
+    index.add(a, long.all(), 100)
+    index.add(b, half.all(), 100)
+    assert index.match(long, [a, b, c]) == {a: 4, b: 2}
+    assert index.match(long, [b, c]) == {b: 2}
+    assert index.match(blocks_of({"model": "m", "prompt": "Z" * 64}), [a, b, c]) == {}
+    assert index.size == 8
+
+
+def test_a_prefix_under_one_salt_gives_no_affinity_under_another() -> None:
+    index = ApproxPrefixIndex()
+    (a,) = make_endpoints(1)
+    prompt = {"model": "m", "prompt": "shared system prompt " * 10}
+    index.add(a, blocks_of({**prompt, "cache_salt": "A"}).all(), 100)
+    assert index.match(blocks_of({**prompt, "cache_salt": "A"}), [a])[a] > 0
+    assert index.match(blocks_of({**prompt, "cache_salt": "B"}), [a]) == {}
+    assert index.match(blocks_of(prompt), [a]) == {}
+
+
+def test_lru_bound_evicts_the_tail_first() -> None:
+    index = ApproxPrefixIndex()
+    (a,) = make_endpoints(1)
+    blocks = blocks_of({"model": "m", "prompt": "x" * 16 * 10})  # 10 blocks
+    index.add(a, blocks.all(), 4)
+    assert index.blocks_of(a) == 4
+    assert index.size == 4
+    assert index.evictions == 6
+    # The first blocks were inserted last: what is left is the shared head.
+    assert index.match(blocks, [a]) == {a: 4}
+    other = blocks_of({"model": "m", "prompt": "y" * 16 * 3})
+    index.add(a, other.all(), 4)
+    assert index.blocks_of(a) == 4
+    assert index.match(other, [a]) == {a: 3}
+
+
+def test_shared_blocks_and_removal() -> None:
+    index = ApproxPrefixIndex()
+    a, b = make_endpoints(2)
+    blocks = blocks_of({"model": "m", "prompt": "s" * 48})
+    index.add(a, blocks.all(), 100)
+    index.add(b, blocks.all(), 100)
+    assert index.match(blocks, [a, b]) == {a: 3, b: 3}
+    index.remove(a)
+    assert index.match(blocks, [a, b]) == {b: 3}
+    assert index.size == 3
+    index.remove(b)
+    assert index.size == 0
+    assert index._owners == {}
+
+
+def test_hashing_stops_where_no_candidate_can_match() -> None:
+    index = ApproxPrefixIndex()
+    (a,) = make_endpoints(1)
+    blocks = blocks_of({"model": "m", "prompt": "q" * 16 * 200}, max_blocks=0)
+    assert blocks.total == 200
+    index.match(blocks, [a])
+    assert len(blocks._hashes) == 1  # the first block matched nobody

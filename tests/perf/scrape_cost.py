@@ -1,0 +1,187 @@
+"""What scraping model-server metrics costs the EPP: CPU per endpoint per second.
+
+    .venv/bin/python -m tests.perf.scrape_cost --endpoints 128 --interval 0.05 --seconds 20
+
+Servers: `--servers` separate processes (aiohttp), each listening on its share of
+`--endpoints` ports and answering GET /metrics with a realistic vLLM page (about
+45 KB: process metrics, vLLM's gauges, counters and histograms, LoRA and cache
+info, the HTTP middleware's histograms). Each answer is one of 16 pages that
+differ in their numbers, so consecutive scrapes of one endpoint read a changed page,
+as on a busy pod (`--idle`: always the same page, as on an idle one).
+
+Client: this process runs the EPP's real `MetricsScraper` (the `metrics-data-source`
+code) over a real datastore of those endpoints, and measures its own CPU time
+(user + system, `time.process_time`) over `--seconds` after a warm-up, and the
+scrapes done. The servers' CPU is not counted (they run at a lower priority: they
+stand in for pods on other machines); on a small machine they still compete for
+the cores, which can only make the client look slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from epp.datastore import Datastore, EndpointSpec
+from epp.sources.metrics import MetricsExtractor, MetricsScraper, ScrapeSettings
+from tests.epp.sources.pages import vllm_page
+
+PAGES = 16
+
+
+def _serve(ports: Sequence[int], idle: bool, ready: multiprocessing.synchronize.Event) -> None:
+    from aiohttp import web
+
+    # The servers stand in for pods on other machines: when the cores are scarce,
+    # the scraper (what is measured) goes first.
+    os.nice(int(os.environ.get("SCRAPE_COST_SERVER_NICE", "10")))
+
+    pages = [vllm_page(waiting=i % 7, running=i, kv_usage=i / 40, seed=i) for i in range(PAGES)]
+    # Per connection (one per scraped endpoint): the next page each time, so no
+    # scrape sees the page it saw before.
+    turns: dict[object, int] = {}
+
+    async def metrics(request: web.Request) -> web.Response:
+        if idle:
+            return web.Response(body=pages[0], content_type="text/plain")
+        key = request.transport
+        turn = turns[key] = turns.get(key, 0) + 1
+        return web.Response(body=pages[turn % PAGES], content_type="text/plain")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        for port in ports:
+            await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+        ready.set()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def _free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+async def measure(
+    addresses: Sequence[str], settings: ScrapeSettings, seconds: float, warmup_s: float
+) -> dict[str, float]:
+    datastore = Datastore()
+    datastore.replace_all(EndpointSpec(f"pod-{i}", a) for i, a in enumerate(addresses))
+    registry = CollectorRegistry()
+    scraper = MetricsScraper(datastore, MetricsExtractor(), settings, registry)
+
+    def count(result: str) -> float:
+        return registry.get_sample_value("epp_metrics_scrapes_total", {"result": result}) or 0.0
+
+    def scrapes() -> float:
+        return count("ok") + count("unchanged")
+
+    def failures() -> float:
+        total = 0.0
+        for result in ("timeout", "connect_error", "http_error", "bad_page"):
+            total += registry.get_sample_value("epp_metrics_scrapes_total", {"result": result}) or 0
+        return total
+
+    task = asyncio.create_task(scraper.run())
+    try:
+        await asyncio.sleep(warmup_s)
+        count0, fail0, cpu0, wall0 = scrapes(), failures(), time.process_time(), time.monotonic()
+        unchanged0 = count("unchanged")
+        await asyncio.sleep(seconds)
+        count1, fail1, cpu1, wall1 = scrapes(), failures(), time.process_time(), time.monotonic()
+        unchanged = count("unchanged") - unchanged0
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    wall, cpu, done = wall1 - wall0, cpu1 - cpu0, count1 - count0
+    endpoints = len(addresses)
+    return {
+        "endpoints": endpoints,
+        "interval_s": settings.interval_s,
+        "wall_s": round(wall, 2),
+        "scrapes_per_s": round(done / wall, 1),
+        "target_scrapes_per_s": round(endpoints / settings.interval_s, 1),
+        "failed_scrapes": fail1 - fail0,
+        "unchanged_pages": unchanged,
+        "cpu_share_of_one_core": round(cpu / wall, 4),
+        "cpu_us_per_scrape": round(cpu / done * 1e6, 1) if done else float("nan"),
+        "cpu_us_per_endpoint_per_s": round(cpu / wall / endpoints * 1e6, 1),
+        "fresh_endpoints": sum(1 for e in datastore.all_endpoints() if not e.metrics.stale()),
+    }
+
+
+def run(
+    endpoints: int,
+    interval_s: float,
+    seconds: float,
+    servers: int = 2,
+    idle: bool = False,
+    http_client: str = "fast",
+    warmup_s: float = 2.0,
+) -> dict[str, float]:
+    ports = _free_ports(endpoints)
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    try:
+        for i in range(servers):
+            ready = context.Event()
+            process = context.Process(
+                target=_serve, args=(ports[i::servers], idle, ready), daemon=True
+            )
+            process.start()
+            processes.append(process)
+            if not ready.wait(30):
+                raise RuntimeError("a metrics server did not start")
+        settings = ScrapeSettings(interval_s=interval_s, timeout_s=1.0, http_client=http_client)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        result = asyncio.run(measure(addresses, settings, seconds, warmup_s))
+        result["page_bytes"] = len(vllm_page())
+        result["idle_pages"] = idle
+        result["http_client"] = http_client  # type: ignore[assignment]
+        result["cpus"] = os.cpu_count() or 0
+        return result
+    finally:
+        for process in processes:
+            process.terminate()
+            process.join(5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--endpoints", type=int, default=128)
+    parser.add_argument("--interval", type=float, default=0.05, help="seconds between scrapes")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window")
+    parser.add_argument("--servers", type=int, default=2, help="server processes")
+    parser.add_argument("--idle", action="store_true", help="pages never change")
+    parser.add_argument("--http-client", choices=["fast", "aiohttp"], default="fast")
+    args = parser.parse_args()
+    result = run(
+        args.endpoints, args.interval, args.seconds, args.servers, args.idle, args.http_client
+    )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""The scraping-cost measurement runs (a tiny version; the real one is by hand, see
+docs/performance.md)."""
+
+from __future__ import annotations
+
+from tests.perf.scrape_cost import run
+
+
+def test_the_measurement_runs_and_scrapes_every_endpoint() -> None:
+    result = run(endpoints=4, interval_s=0.05, seconds=0.5, servers=1, warmup_s=0.5)
+    assert result["fresh_endpoints"] == 4
+    assert result["failed_scrapes"] == 0
+    assert result["scrapes_per_s"] > 20
+    assert 0 < result["cpu_us_per_scrape"] < 100_000

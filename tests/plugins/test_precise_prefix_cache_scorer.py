@@ -1,0 +1,382 @@
+"""`precise-prefix-cache-scorer` in a real EPP (in-process, real ports) following
+simulated vLLM pods that tokenize with the real Qwen2.5 tokenizer and publish
+vLLM-format KV events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from epp.app import EppApp, ServeOptions
+from epp.config import InvalidConfig, load_config
+from epp.requests import parse_request
+from epp.scheduling.registry import PluginRegistry
+from epp.scheduling.types import ResponseInfo
+from sim.server import SimPod
+from sim.tokenizer import HFTokenizer, load_tokenizer
+from tests.sim.conftest import pod_config
+from tests.testdata import qwen_dir
+
+SYSTEM = "You are the support assistant of a large bookshop. " * 60  # ~700 tokens
+
+
+def config(**parameters: Any) -> str:
+    params = {
+        "blockSize": 16,
+        "hashSeed": "0",
+        "tokenizers": [{"model": "*", "path": str(qwen_dir())}],
+        "kvEventsConfig": {"replayTimeout": "500ms", "reconnectInterval": "50ms"},
+        **parameters,
+    }
+    return yaml.safe_dump(
+        {
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+            "kind": "EndpointPickerConfig",
+            "plugins": [
+                {"type": "precise-prefix-cache-scorer", "name": "prefix", "parameters": params},
+                {"type": "max-score-picker"},
+            ],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [{"pluginRef": "prefix"}, {"pluginRef": "max-score-picker"}],
+                }
+            ],
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen_sim() -> HFTokenizer:
+    tokenizer = load_tokenizer(qwen_dir())
+    assert isinstance(tokenizer, HFTokenizer)
+    return tokenizer
+
+
+class Fleet:
+    def __init__(self, pods: dict[str, SimPod], app: EppApp) -> None:
+        self.pods = pods
+        self.app = app
+        self.admin = f"http://127.0.0.1:{app.ports['metrics']}"
+
+    @property
+    def plugin(self) -> Any:
+        return self.app.director.config.plugins["prefix"]
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.pods[name].port}"
+
+    async def send(
+        self, name: str, body: dict[str, Any], path: str = "/v1/chat/completions"
+    ) -> None:
+        """Serve a request on one pod directly (it caches its blocks)."""
+        url = f"http://127.0.0.1:{self.pods[name].port}{path}"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+            assert response.status == 200, await response.text()
+
+    async def pick(
+        self, body: dict[str, Any], path: str = "/v1/chat/completions"
+    ) -> tuple[str, dict[str, float]]:
+        """Route a request through the EPP's director (as the ext_proc stream does):
+        the pod's name and the prefix scores."""
+        request = parse_request(
+            request_id="t", method="POST", path=path, headers={}, body=msgspec.json.encode(body)
+        )
+        director = self.app.director
+        decision = await director.pick_endpoint(request)
+        director.finish(decision, ResponseInfo(completed=True))
+        scores = decision.result.profiles["default"].scores["prefix"]
+        by_address = {e.address: e.name for e in self.app.datastore.all_endpoints()}
+        return by_address[decision.endpoint.address], {e.name: s for e, s in scores.items()}
+
+    async def debug(self) -> dict[str, dict[str, Any]]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{self.admin}/debug/endpoints") as response,
+        ):
+            return {e["name"]: e for e in await response.json()}
+
+    async def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        async with aiohttp.ClientSession() as session, session.get(f"{self.admin}/metrics") as r:
+            text = await r.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and (labels is None or sample.labels == labels):
+                    return float(sample.value)
+        return 0.0
+
+    async def wait_blocks(self, name: str, at_least: int = 1, timeout_s: float = 5.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            index = (await self.debug())[name].get("index", {})
+            if index.get("blocks", 0) >= at_least:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"no blocks for {name}: {index}"
+            await asyncio.sleep(0.02)
+
+    async def ready(self) -> None:
+        """Tokenizers loaded and every stream connected."""
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            entries = await self.debug()
+            states = [e["index"]["state"] for e in entries.values() if "index" in e]
+            tokenizers = next(iter(entries.values()))["index"]["tokenizers"]
+            if all(s == "live" for s in states) and all(
+                t.startswith(("ready", "failed")) for t in tokenizers.values()
+            ):
+                return
+            assert asyncio.get_running_loop().time() < deadline, entries
+            await asyncio.sleep(0.02)
+
+
+StartFleet = Callable[..., Awaitable[Fleet]]
+
+
+@pytest.fixture
+async def start_fleet(tmp_path: Path, qwen_sim: HFTokenizer) -> AsyncIterator[StartFleet]:
+    started: list[SimPod] = []
+    apps: list[EppApp] = []
+
+    async def start(
+        config_text: str, names: tuple[str, ...] = ("a", "b", "c"), **pod_options: Any
+    ) -> Fleet:
+        pods = {}
+        for name in names:
+            options = pod_options.get(name, {})
+            pod = SimPod(pod_config(name=name, **options), tokenizer=qwen_sim)
+            await pod.start("127.0.0.1", 0)
+            started.append(pod)
+            pods[name] = pod
+        endpoints = tmp_path / f"endpoints-{len(apps)}.yaml"
+        endpoints.write_text(
+            yaml.safe_dump(
+                {
+                    "endpoints": [
+                        {
+                            "name": name,
+                            "address": f"127.0.0.1:{pod.port}",
+                            "kvEvents": pod.kv_events_endpoint,
+                            "kvEventsReplay": pod.replay_endpoint,
+                        }
+                        for name, pod in pods.items()
+                    ]
+                }
+            )
+        )
+        app = EppApp(
+            ServeOptions(
+                endpoints_file=str(endpoints),
+                config_text=config_text,
+                bind="127.0.0.1",
+                grpc_port=0,
+                grpc_health_port=0,
+                metrics_port=0,
+                debug_endpoints=True,
+                shutdown_grace_s=0.2,
+            )
+        )
+        await app.start()
+        apps.append(app)
+        fleet = Fleet(pods, app)
+        await fleet.ready()
+        return fleet
+
+    yield start
+    for app in apps:
+        await app.stop()
+    for pod in started:
+        await pod.stop()
+
+
+def chat(user: str, system: str = SYSTEM, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "sim-model",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 1,
+        **extra,
+    }
+
+
+async def test_a_request_whose_prefix_is_cached_on_b_goes_to_b(start_fleet: StartFleet) -> None:
+    fleet = await start_fleet(config())
+    await fleet.send("b", chat("Where is my order 1234?"))
+    await fleet.wait_blocks("b", 40)
+    for question in ("Do you sell maps?", "Opening hours on Sunday?", "Gift cards?"):
+        picked, scores = await fleet.pick(chat(question))
+        assert picked == "b", scores
+        assert 0.9 < scores["b"] < 1.0  # the system prompt, not the new question
+        assert scores["a"] == scores["c"] == 0.0
+    # An unrelated prompt matches nowhere.
+    _, scores = await fleet.pick(chat("hello", system="A different assistant altogether. " * 40))
+    assert set(scores.values()) == {0.0}
+    assert await fleet.metric("epp_precise_prefix_lookups_total", {"result": "hit"}) == 3
+
+
+async def test_debug_endpoints_and_metrics_show_the_index(start_fleet: StartFleet) -> None:
+    fleet = await start_fleet(config())
+    await fleet.send("a", chat("first"))
+    await fleet.wait_blocks("a")
+    entry = (await fleet.debug())["a"]["index"]
+    for key in ("blocks", "lastSeq", "eventsApplied", "gaps", "replays"):
+        assert key in entry, entry
+    assert entry["blocks"] == len(fleet.pods["a"].engine.kv.pool.cached_hashes())
+    assert entry["lastSeq"] >= 0
+    assert entry["eventsApplied"] >= 1
+    assert entry["gaps"] == 0
+    assert entry["aligned"] is True
+    assert entry["trusted"] is True
+    assert entry["state"] == "live"
+    assert entry["tokenizers"] == {"*": "ready"}
+    assert (
+        await fleet.metric("epp_kv_index_blocks", {"endpoint": "a", "medium": "gpu"})
+        == entry["blocks"]
+    )
+    assert await fleet.metric("epp_kv_index_entries") == entry["blocks"]
+    assert await fleet.metric("epp_kv_index_max_entries") == 2_000_000
+    assert await fleet.metric("epp_kv_events_applied_total", {"endpoint": "a"}) >= 1
+    assert await fleet.metric("epp_kv_alignment_checked_blocks_total", {"endpoint": "a"}) > 0
+    assert await fleet.metric("epp_kv_index_trusted", {"endpoint": "a"}) == 1
+
+
+async def test_a_burst_of_siblings_sticks_together_before_any_event(
+    start_fleet: StartFleet,
+) -> None:
+    fleet = await start_fleet(config(speculativeIndexing=True, speculativeTTL="300ms"))
+    first, scores = await fleet.pick(chat("question one"))
+    assert set(scores.values()) == {0.0}  # nobody has it: any pod
+    # Nothing was sent anywhere, so no event exists: the speculative entries decide.
+    for question in ("question two", "question three"):
+        picked, scores = await fleet.pick(chat(question))
+        assert picked == first, scores
+        assert scores[first] > 0.9
+    await asyncio.sleep(0.5)  # past 1.5 x TTL: forgotten
+    _, scores = await fleet.pick(chat("question four"))
+    assert set(scores.values()) == {0.0}
+    assert await fleet.metric("epp_precise_prefix_speculative_records_total") == 4
+    assert await fleet.metric("epp_precise_prefix_speculative_extensions_total") == 2
+
+
+async def test_without_speculative_indexing_siblings_are_cold(start_fleet: StartFleet) -> None:
+    fleet = await start_fleet(config())
+    await fleet.pick(chat("question one"))
+    _, scores = await fleet.pick(chat("question two"))
+    assert set(scores.values()) == {0.0}
+
+
+async def test_a_misaligned_pod_is_not_trusted(start_fleet: StartFleet) -> None:
+    # Pod c hashes with another seed than the scorer's: its blocks never match, and
+    # the alignment check says so instead of leaving it silently cold.
+    fleet = await start_fleet(config(), c={"hash_seed": "vllm-none-hash"})
+    await fleet.send("c", chat("hello"))
+    await fleet.send("b", chat("hello"))
+    await fleet.wait_blocks("c")
+    await fleet.wait_blocks("b")
+    entry = (await fleet.debug())["c"]["index"]
+    assert entry["aligned"] is False
+    assert entry["trusted"] is False
+    assert "seed='vllm-none-hash'" in entry["alignmentCause"]
+    picked, scores = await fleet.pick(chat("hello again"))
+    assert picked == "b"
+    assert scores["c"] == 0.0
+    assert await fleet.metric("epp_kv_alignment_failures_total", {"endpoint": "c"}) >= 1
+    assert await fleet.metric("epp_kv_index_trusted", {"endpoint": "c"}) == 0
+
+
+async def test_cache_salt_keeps_tenants_apart(start_fleet: StartFleet) -> None:
+    fleet = await start_fleet(config())
+    await fleet.send("a", chat("q", cache_salt="tenant-1"))
+    await fleet.wait_blocks("a")
+    _, unsalted = await fleet.pick(chat("q2"))
+    _, other = await fleet.pick(chat("q2", cache_salt="tenant-2"))
+    picked, same = await fleet.pick(chat("q2", cache_salt="tenant-1"))
+    assert unsalted["a"] == other["a"] == 0.0
+    assert picked == "a"
+    assert same["a"] > 0.9
+
+
+async def test_token_id_prompts_need_no_tokenizer(start_fleet: StartFleet) -> None:
+    fleet = await start_fleet(config(tokenizers=[]), names=("a", "b"))
+    prompt = list(range(1000, 1330))
+    await fleet.send(
+        "b", {"model": "sim-model", "prompt": prompt, "max_tokens": 1}, "/v1/completions"
+    )
+    await fleet.wait_blocks("b", 20)
+    picked, scores = await fleet.pick(
+        {"model": "sim-model", "prompt": [*prompt[:320], 7, 8, 9]}, "/v1/completions"
+    )
+    assert picked == "b"
+    assert scores["b"] == 1.0
+    # Text needs a tokenizer: no precise score, and the metric says why.
+    _, scores = await fleet.pick(chat("text"))
+    assert set(scores.values()) == {0.0}
+    assert await fleet.metric("epp_precise_prefix_skipped_total", {"reason": "no_tokenizer"}) == 1
+
+
+async def test_lora_requests_without_the_adapter_path_get_no_score(
+    start_fleet: StartFleet,
+) -> None:
+    fleet = await start_fleet(
+        config(loraAdapters=[{"name": "my-lora", "baseModel": "sim-model"}]), names=("a",)
+    )
+    _, scores = await fleet.pick({**chat("hi"), "model": "my-lora"})
+    assert scores == {"a": 0.0}
+    assert (
+        await fleet.metric("epp_precise_prefix_skipped_total", {"reason": "lora_path_unknown"}) == 1
+    )
+
+
+async def test_a_missing_tokenizer_falls_back_when_configured(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    fleet = await start_fleet(
+        config(
+            tokenizers=[{"model": "*", "path": str(tmp_path / "absent")}],
+            onMissingTokenizer="fallback",
+        ),
+        names=("a",),
+    )
+    tokenizers = (await fleet.debug())["a"]["index"]["tokenizers"]
+    assert tokenizers["*"].startswith("failed")
+    _, scores = await fleet.pick(chat("hi"))
+    assert scores == {"a": 0.0}
+    assert (
+        await fleet.metric("epp_precise_prefix_skipped_total", {"reason": "tokenizer_failed"}) == 1
+    )
+
+
+def test_a_missing_tokenizer_is_a_startup_error(tmp_path: Path) -> None:
+    text = config(tokenizers=[{"model": "*", "path": str(tmp_path / "absent")}])
+    with pytest.raises(InvalidConfig, match=r"tokenizer\.json does not exist"):
+        load_config(text, PluginRegistry.from_entry_points())
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"hashAlgo": "md5"}, "hashAlgo"),
+        ({"blockSize": 0}, "blockSize"),
+        ({"mediumWeights": {"gpu": 2.0}}, "mediumWeights"),
+        ({"tokenizers": [{"model": "*"}]}, "exactly one of path and huggingFace"),
+        ({"kvEventsConfig": {"dpSize": 0}}, "dpSize"),
+        ({"speculativeTTL": "soon"}, "speculativeTTL"),
+        ({"kvEventsConfig": {"unknown": 1}}, "unknown"),
+    ],
+)
+def test_bad_parameters_are_config_errors(parameters: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConfig, match=message):
+        load_config(config(**parameters), PluginRegistry.from_entry_points())
+
+
+def test_the_example_config_is_valid() -> None:
+    path = Path(__file__).resolve().parents[2] / "manifests" / "config" / "precise-prefix.yaml"
+    qwen_dir()  # it points at the workspace's Qwen tokenizer
+    loaded = load_config(path.read_text(), PluginRegistry.from_entry_points())
+    assert "prefix" in loaded.plugins
