@@ -276,19 +276,21 @@ class EppPorts:
 
 
 def start_epp(
-    endpoints_file: Path,
+    endpoints_file: Path | None,
     workdir: Path,
     ports: EppPorts,
     config_file: Path | None = None,
     extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 30.0,
 ) -> ManagedProcess:
+    """`epp serve`, waited for until /readyz answers 200. Without `endpoints_file`,
+    `extra_args` name the endpoint source (Kubernetes: `--pool-name`, ...)."""
     argv = [
         sys.executable,
         "-m",
         "epp",
         "serve",
-        "--endpoints-file",
-        str(endpoints_file),
+        *(["--endpoints-file", str(endpoints_file)] if endpoints_file is not None else []),
         "--bind",
         "127.0.0.1",
         "--grpc-port",
@@ -301,19 +303,26 @@ def start_epp(
         *extra_args,
     ]
     process = ManagedProcess("epp", argv, workdir / "epp.log").start()
-    process.wait_http_ok(f"http://127.0.0.1:{ports.metrics}/readyz")
+    process.wait_http_ok(f"http://127.0.0.1:{ports.metrics}/readyz", ready_timeout_s)
     return process
 
 
 def start_sim(
-    port: int, workdir: Path, name: str, extra_args: Sequence[str] = ()
+    port: int,
+    workdir: Path,
+    name: str,
+    extra_args: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    wait: bool = True,
 ) -> ManagedProcess:
+    """One simulated pod on host:port (any 127.0.0.0/8 address: pods that share a
+    port, like a pool's pods, each get their own); `wait`: until it is healthy."""
+    argv = [sys.executable, "-m", "sim", "serve", "--host", host, "--port", str(port)]
     process = ManagedProcess(
-        name,
-        [sys.executable, "-m", "sim", "serve", "--port", str(port), "--name", name, *extra_args],
-        workdir / f"{name}.log",
+        name, [*argv, "--name", name, *extra_args], workdir / f"{name}.log"
     ).start()
-    process.wait_http_ok(f"http://127.0.0.1:{port}/health")
+    if wait:
+        process.wait_http_ok(f"http://{host}:{port}/health")
     return process
 
 

@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from prometheus_client import CollectorRegistry
 
 from epp import accesslog
 from epp.accesslog import AccessLogService
@@ -24,17 +26,26 @@ from epp.admin import AdminServer
 from epp.completion import DEFAULT_TIMEOUT_S, CompletionTracker
 from epp.config import (
     DEFAULT_CONFIG,
+    ConfigError,
     InvalidConfig,
     SchedulingConfig,
     load_config,
-    load_config_file,
 )
 from epp.datastore import Datastore
 from epp.director import Director
 from epp.extproc.server import SERVICE_NAME, ExternalProcessor, add_to_server
 from epp.extproc.stream import DEFAULT_MAX_BODY_BYTES, StreamSettings
+from epp.reload import (
+    BuiltConfig,
+    ConfigReloader,
+    ConfigRuntime,
+    Signature,
+    build_tracked,
+    file_signature,
+)
 from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
+from epp.sources.kube import KubeConfigError, KubeOptions
 from epp.sources.static import InvalidEndpointsFile, StaticEndpointSource
 from epp.telemetry import Telemetry
 
@@ -45,9 +56,20 @@ log = logging.getLogger(__name__)
 HEALTH_READINESS_SERVICES = ("", "readiness", SERVICE_NAME)
 
 
+class EndpointSource(Protocol):
+    """Keeps the datastore's endpoints current (the endpoints file, or Kubernetes)."""
+
+    async def run(self) -> None: ...
+
+    def not_ready_reason(self) -> str | None:
+        """Why the source has no complete view of the pool yet (None: it has)."""
+
+
 @dataclass(frozen=True)
 class ServeOptions:
-    endpoints_file: str
+    # The endpoint source, exactly one: the endpoints file, or Kubernetes.
+    endpoints_file: str | None = None
+    kube: KubeOptions | None = None
     config_file: str | None = None
     config_text: str | None = None
     bind: str = "0.0.0.0"
@@ -65,6 +87,11 @@ class ServeOptions:
     refresh_metrics_interval_s: float = 0.05
     metrics_staleness_threshold_s: float = 2.0
     metrics_scrape_timeout_s: float = 1.0
+    # How often the --config file is checked for a new version (0: never).
+    config_reload_interval_s: float = 1.0
+    # A replaced config's background tasks stop when its last request ends, or
+    # after this long.
+    config_drain_timeout_s: float = 600.0
 
 
 class StartupError(Exception):
@@ -78,21 +105,43 @@ class EppApp:
         self.datastore = Datastore()
         self.telemetry = Telemetry(self.datastore)
         problems: list[str] = []
-        config: SchedulingConfig | None = None
+        built: BuiltConfig | None = None
+        config_text: str | None = None
+        # The --config file's signature when it was read (for the reloader).
+        self._config_signature: Signature | None = None
         try:
-            config = self._load_config()
+            config_text = self._config_text()
+            built = self._build_config(config_text)
         except InvalidConfig as exc:
             problems.append(str(exc))
-        self.source = StaticEndpointSource(options.endpoints_file, self.datastore)
+        source: EndpointSource | None = None
         try:
-            self.source.load()
-        except InvalidEndpointsFile as exc:
+            source = self._endpoint_source()
+        except (InvalidEndpointsFile, KubeConfigError, ValueError) as exc:
             problems.append(str(exc))
-        if problems or config is None:
+        if problems or built is None or source is None:
             raise StartupError("\n".join(problems))
-        for warning in config.warnings:
+        self.source = source
+        for warning in built.config.warnings:
             log.warning("config: %s", warning)
-        self.director = Director(self.datastore, config, self.telemetry)
+        self.director = Director(self.datastore, built.config, self.telemetry)
+        self.runtime = ConfigRuntime(
+            self.director,
+            self.datastore,
+            self.telemetry,
+            built,
+            drain_timeout_s=options.config_drain_timeout_s,
+        )
+        self.reloader: ConfigReloader | None = None
+        if options.config_file and options.config_reload_interval_s > 0:
+            self.reloader = ConfigReloader(
+                options.config_file,
+                self._build_config,
+                self.runtime,
+                self.telemetry,
+                poll_interval_s=options.config_reload_interval_s,
+            )
+            self.reloader.loaded(config_text or "", self._config_signature)
         self.tracker = CompletionTracker(
             self.director, self.telemetry, timeout_s=options.lean_completion_timeout_s
         )
@@ -113,28 +162,71 @@ class EppApp:
         self._started = False
         self.ports: dict[str, int] = {}
 
-    def _load_config(self) -> SchedulingConfig:
-        kwargs = {
-            "datastore": self.datastore,
-            "metrics": self.telemetry.registry,
-            "observe": self.telemetry.plugin_timer,
-            "settings": ServerSettings(
-                refresh_metrics_interval_s=self.options.refresh_metrics_interval_s,
-                metrics_staleness_threshold_s=self.options.metrics_staleness_threshold_s,
-                metrics_scrape_timeout_s=self.options.metrics_scrape_timeout_s,
-            ),
-        }
+    def _endpoint_source(self) -> EndpointSource:
+        o = self.options
+        if (o.endpoints_file is None) == (o.kube is None):
+            raise ValueError(
+                "give exactly one endpoint source: --endpoints-file FILE, or Kubernetes"
+                " (--pool-name NAME, or --endpoint-selector k=v,... with"
+                " --endpoint-target-ports PORT)"
+                + ("; both were given" if o.endpoints_file is not None else "")
+            )
+        if o.endpoints_file is not None:
+            static = StaticEndpointSource(o.endpoints_file, self.datastore)
+            static.load()
+            return static
+        assert o.kube is not None
+        # Imported only now: the official client takes half a second to import, which
+        # an EPP serving an endpoints file should not pay at every start.
+        from epp.sources.kube.source import KubernetesEndpointSource
+
+        return KubernetesEndpointSource(
+            o.kube,
+            self.datastore,
+            registry=self.telemetry.registry,
+            on_status=self._schedule_health_update,
+        )
+
+    def _config_text(self) -> str:
+        """The config's text: the --config file, --config-text, or the default."""
         if self.options.config_file:
-            return load_config_file(self.options.config_file, self.registry, **kwargs)
-        text = self.options.config_text or DEFAULT_CONFIG
-        source = "--config-text" if self.options.config_text else "<default config>"
-        return load_config(text, self.registry, source=source, **kwargs)  # type: ignore[arg-type]
+            self._config_signature = file_signature(self.options.config_file)
+            try:
+                return Path(self.options.config_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InvalidConfig(
+                    self.options.config_file, [ConfigError((), f"cannot read the file: {exc}")]
+                ) from None
+        return self.options.config_text or DEFAULT_CONFIG
+
+    def _build_config(self, text: str) -> BuiltConfig:
+        """Validate and build a config (at start-up and on every reload)."""
+        o = self.options
+        source = o.config_file or ("--config-text" if o.config_text else "<default config>")
+        settings = ServerSettings(
+            refresh_metrics_interval_s=o.refresh_metrics_interval_s,
+            metrics_staleness_threshold_s=o.metrics_staleness_threshold_s,
+            metrics_scrape_timeout_s=o.metrics_scrape_timeout_s,
+        )
+
+        def build(registry: CollectorRegistry) -> SchedulingConfig:
+            return load_config(
+                text,
+                self.registry,
+                source=source,
+                datastore=self.datastore,
+                metrics=registry,
+                observe=self.telemetry.plugin_timer,
+                settings=settings,
+            )
+
+        return build_tracked(self.datastore, build)
 
     def not_ready_reason(self) -> str | None:
         if not self._started:
             return "starting"
         if not self.datastore.synced:
-            return "the endpoint source has not synced yet"
+            return self.source.not_ready_reason() or "the endpoint source has not synced yet"
         return None
 
     def _schedule_health_update(self) -> None:
@@ -188,9 +280,10 @@ class EppApp:
         await self.grpc_server.start()
         await self.health_server.start()
         self.ports["metrics"] = await self.admin.start(o.bind, o.metrics_port)
-        self._tasks.append(asyncio.create_task(self.source.run(), name="endpoints-file"))
-        for name, run in self.director.config.background.tasks:
-            self._tasks.append(asyncio.create_task(_logged(name, run), name=name))
+        self._tasks.append(asyncio.create_task(self.source.run(), name="endpoint-source"))
+        self.runtime.start()
+        if self.reloader is not None:
+            self._tasks.append(asyncio.create_task(self.reloader.run(), name="config-reload"))
         self._tasks.append(asyncio.create_task(self.tracker.run(), name="lean-completions"))
         self._started = True
         await self._update_health()
@@ -211,6 +304,7 @@ class EppApp:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.runtime.stop()
         # Access-log streams never end by themselves: end them first, so they do not
         # hold the shutdown for the whole grace period.
         self.access_log.stop()
@@ -242,14 +336,3 @@ def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
         return int(server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {host}:{port} (is the port in use?): {exc}") from None
-
-
-async def _logged(name: str, run: Callable[[], Awaitable[None]]) -> None:
-    """Run a plugin's background task; if it dies, say so (it is not restarted:
-    a task that wants to survive errors handles them itself)."""
-    try:
-        await run()
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("background task %s stopped with an error", name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +17,13 @@ from epp.durations import parse_duration
 from epp.extproc.stream import DEFAULT_MAX_BODY_BYTES
 from epp.logs import setup_logging
 from epp.scheduling.registry import PluginRegistry
+from epp.sources.kube import KubeOptions, KvEventPorts, WatchSettings
+from epp.sources.kube.objects import (
+    POOL_VERSIONS,
+    V1_GROUP,
+    parse_ports_flag,
+    parse_selector_flag,
+)
 
 log = logging.getLogger("epp")
 
@@ -61,6 +69,46 @@ def _duration(text: str) -> float:
     return value
 
 
+def _duration_or_zero(text: str) -> float:
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def _selector(text: str) -> dict[str, str]:
+    try:
+        return parse_selector_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ports(text: str) -> tuple[int, ...]:
+    try:
+        return parse_ports_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kube_options(args: argparse.Namespace) -> KubeOptions | None:
+    """The Kubernetes source's options, if any Kubernetes flag was given."""
+    if not (args.pool_name or args.endpoint_selector or args.endpoint_target_ports):
+        return None
+    return KubeOptions(
+        pool_name=args.pool_name,
+        pool_namespace=args.pool_namespace,
+        pool_group=args.pool_group,
+        endpoint_selector=args.endpoint_selector,
+        endpoint_target_ports=args.endpoint_target_ports or (),
+        kubeconfig=args.kubeconfig,
+        kv_events=KvEventPorts(args.kv_events_port, args.kv_events_replay_port),
+        watch=WatchSettings(watch_timeout_s=args.kube_watch_timeout),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epp",
@@ -87,12 +135,89 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument(
         "--config-text", metavar="YAML", help="the EndpointPickerConfig given inline instead"
     )
-    src = serve.add_argument_group("endpoints")
+    cfg.add_argument(
+        "--config-reload-interval",
+        type=_duration_or_zero,
+        default="1s",
+        metavar="DURATION",
+        help="how often the --config file is checked for a new version, applied without a"
+        " restart if valid (0: never)",
+    )
+    cfg.add_argument(
+        "--config-drain-timeout",
+        type=_duration,
+        default="10m",
+        metavar="DURATION",
+        help="after a reload, the old config's background tasks stop when its last request"
+        " ends, or after this long",
+    )
+    src = serve.add_argument_group(
+        "endpoints (exactly one source: --endpoints-file, or Kubernetes: --pool-name, or"
+        " --endpoint-selector with --endpoint-target-ports)"
+    )
     src.add_argument(
         "--endpoints-file",
         metavar="FILE",
-        required=True,
         help="YAML list of the pool's endpoints, re-read when it changes",
+    )
+    src.add_argument(
+        "--pool-name",
+        metavar="NAME",
+        help="the InferencePool whose pods are the endpoints (watched: selector and port"
+        " changes apply without a restart)",
+    )
+    src.add_argument(
+        "--pool-namespace",
+        metavar="NS",
+        default=os.environ.get("NAMESPACE") or "default",
+        help="the namespace of the pool and its pods ($NAMESPACE when set)",
+    )
+    src.add_argument(
+        "--pool-group",
+        choices=sorted(POOL_VERSIONS),
+        default=V1_GROUP,
+        help="the InferencePool's API group: inference.networking.k8s.io (v1) or"
+        " inference.networking.x-k8s.io (v1alpha2)",
+    )
+    src.add_argument(
+        "--endpoint-selector",
+        type=_selector,
+        metavar="K=V,...",
+        help="standalone (no InferencePool): the label selector of the model-server pods",
+    )
+    src.add_argument(
+        "--endpoint-target-ports",
+        type=_ports,
+        metavar="PORT[,PORT]",
+        help="standalone: the pods' serving ports; several ports give one endpoint per port"
+        " (<pod>-rank-<i>)",
+    )
+    src.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="kubeconfig for the Kubernetes API (default: the in-cluster service account,"
+        " else $KUBECONFIG or ~/.kube/config)",
+    )
+    src.add_argument(
+        "--kv-events-port",
+        type=_port,
+        metavar="PORT",
+        help="Kubernetes pods: the engines' KV-event PUB port for rank 0; rank i (the i-th"
+        " target port) publishes on PORT + i",
+    )
+    src.add_argument(
+        "--kv-events-replay-port",
+        type=_port,
+        metavar="PORT",
+        help="Kubernetes pods: the engines' KV-event replay port for rank 0 (rank i: PORT + i)",
+    )
+    src.add_argument(
+        "--kube-watch-timeout",
+        type=_duration,
+        default="60s",
+        metavar="DURATION",
+        help="each watch asks the API server to end it after a time drawn from"
+        " [DURATION, 2 x DURATION); a watch silent for that long plus 15s is presumed dead",
     )
     net = serve.add_argument_group("network")
     net.add_argument("--bind", default="0.0.0.0", help="address to listen on")
@@ -105,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_port,
         default=9090,
         help="admin HTTP port: /metrics, /healthz, /readyz",
+    )
+    net.add_argument(
+        "--shutdown-grace",
+        type=_duration_or_zero,
+        default="5s",
+        metavar="DURATION",
+        help="on SIGTERM, how long open streams may take to finish",
     )
     req = serve.add_argument_group("requests")
     req.add_argument(
@@ -177,13 +309,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
-    setup_logging(args.log_format, args.verbosity)
+class UsageError(Exception):
+    """A combination of `epp serve` flags that cannot work; the message says why."""
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """`epp serve`'s options from its parsed flags; `UsageError` listing every
+    problem with their combination."""
+    problems: list[str] = []
     if args.config_file and args.config_text:
-        log.error("give --config or --config-text, not both")
-        return 2
-    options = ServeOptions(
+        problems.append("give --config or --config-text, not both")
+    kube = kube_options(args)
+    if kube is None and args.endpoints_file is not None:
+        # Kubernetes-only flags beside an endpoints file would silently do nothing.
+        stray = [
+            flag
+            for flag, value in (
+                ("--kubeconfig", args.kubeconfig),
+                ("--kv-events-port", args.kv_events_port),
+                ("--kv-events-replay-port", args.kv_events_replay_port),
+            )
+            if value is not None
+        ]
+        if stray:
+            problems.append(
+                f"{', '.join(stray)}: for Kubernetes discovery only (--pool-name, or"
+                " --endpoint-selector with --endpoint-target-ports); an endpoints file names"
+                " its own KV-event sockets"
+            )
+    if (kube is None) == (args.endpoints_file is None):
+        problems.append(
+            "give exactly one endpoint source: --endpoints-file FILE, or Kubernetes"
+            " (--pool-name NAME, or --endpoint-selector k=v,... with --endpoint-target-ports"
+            " PORT)" + ("; both were given" if kube is not None else "")
+        )
+    elif kube is not None:
+        problems.extend(kube.check())
+    if problems:
+        raise UsageError("\n".join(problems))
+    return ServeOptions(
         endpoints_file=args.endpoints_file,
+        kube=kube,
         config_file=args.config_file,
         config_text=args.config_text,
         bind=args.bind,
@@ -197,7 +363,20 @@ def _serve(args: argparse.Namespace) -> int:
         refresh_metrics_interval_s=args.refresh_metrics_interval,
         metrics_staleness_threshold_s=args.metrics_staleness_threshold,
         metrics_scrape_timeout_s=args.metrics_scrape_timeout,
+        config_reload_interval_s=args.config_reload_interval,
+        config_drain_timeout_s=args.config_drain_timeout,
+        shutdown_grace_s=args.shutdown_grace,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    setup_logging(args.log_format, args.verbosity)
+    try:
+        options = serve_options(args)
+    except UsageError as exc:
+        for problem in str(exc).splitlines():
+            log.error("%s", problem)
+        return 2
 
     async def run() -> None:
         app = EppApp(options)

@@ -425,7 +425,19 @@ class _Loader:
             return
         consumers = [n for n, p in plugins.items() if METRICS in getattr(p, "consumes", ())]
         if consumers:
-            self.default_plugin(DEFAULT_METRICS_SOURCE, DataSource, plugins, types)
+            self.default_metrics_source(plugins, types)
+
+    def default_metrics_source(self, plugins: dict[str, object], types: dict[str, str]) -> None:
+        """Add the default `metrics-data-source`, handing it the extractors the file
+        declares (say, a `core-metrics-extractor` with custom engine mappings)."""
+        name = self.default_plugin(DEFAULT_METRICS_SOURCE, DataSource, plugins, types)
+        source = plugins.get(name) if name is not None else None
+        if not isinstance(source, DataSource):
+            return
+        for extractor in [p for p in plugins.values() if isinstance(p, DataExtractor)]:
+            # A source takes the extractors it can use; it refuses the others.
+            with contextlib.suppress(ValueError):
+                source.add_extractor(extractor)
 
     def plugin_of(
         self,
@@ -466,7 +478,7 @@ class _Loader:
             if built is None:
                 return None
             if not any(isinstance(p, DataSource) for p in plugins.values()):
-                self.default_plugin(DEFAULT_METRICS_SOURCE, DataSource, plugins, types)
+                self.default_metrics_source(plugins, types)
             return self.slot("saturation_detector", built, types[built], plugins[built])
         if ref is not None:
             plugin = self.plugin_of(
@@ -500,7 +512,7 @@ class _Loader:
         detector = self.slot("saturation_detector", default, types[default], plugins[default])
         # The default detector reads metrics: it may need the default source too.
         if not any(isinstance(p, DataSource) for p in plugins.values()):
-            self.default_plugin(DEFAULT_METRICS_SOURCE, DataSource, plugins, types)
+            self.default_metrics_source(plugins, types)
         return detector
 
     def check_references(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -144,17 +145,27 @@ class Datastore:
     def add_listener(self, listener: MembershipListener) -> None:
         self._listeners.append(listener)
 
+    def listeners(self) -> tuple[MembershipListener, ...]:
+        """The listeners, in the order they were added (to tell which ones a
+        config's plugins added, so they go with the config)."""
+        return tuple(self._listeners)
+
     def remove_listener(self, listener: MembershipListener) -> None:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
     # -- writes (endpoint sources) ---------------------------------------------
 
-    def replace_all(self, specs: Iterable[EndpointSpec]) -> None:
+    def replace_all(
+        self, specs: Iterable[EndpointSpec], not_ready: AbstractSet[str] | None = None
+    ) -> None:
         """Make the endpoint set exactly `specs` (a source's full view of the pool).
 
         Endpoints whose spec is unchanged keep their state (metrics, in-flight
-        counts); a changed spec (new address, say) is a new endpoint."""
+        counts); a changed spec (new address, say) is a new endpoint. With
+        `not_ready`, every endpoint's readiness is set in the same step (ready unless
+        named there), so no reader ever sees a new endpoint ready before its time;
+        without it, readiness is left as it is (new endpoints are ready)."""
         wanted = {spec.name: spec for spec in specs}
         added: list[Endpoint] = []
         removed: list[Endpoint] = []
@@ -166,6 +177,9 @@ class Datastore:
                 endpoint = Endpoint(spec)
                 self._by_name[name] = endpoint
                 added.append(endpoint)
+        if not_ready is not None:
+            for name, endpoint in self._by_name.items():
+                endpoint.ready = name not in not_ready
         self.synced = True
         self._changed(added, removed)
 

@@ -16,6 +16,7 @@ what a real pick would do on the same state.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -72,9 +73,49 @@ class Director:
         self, datastore: Datastore, config: SchedulingConfig, telemetry: Telemetry
     ) -> None:
         self.datastore = datastore
-        # Replaced as a whole on reload; a request keeps the config that picked it.
+        # Replaced as a whole on reload (`swap_config`); a request keeps the config
+        # that picked it, to its end.
         self.config = config
         self.telemetry = telemetry
+        # id(config) -> requests using it (from the start of their pick to their
+        # end), and who waits for a retired config to fall idle. By id: a config is
+        # not hashable, and a config in use is alive, so its id is not reused.
+        self._users: dict[int, int] = {}
+        self._idle: dict[int, asyncio.Event] = {}
+
+    # -- configuration in use -------------------------------------------------------
+
+    def swap_config(self, config: SchedulingConfig) -> SchedulingConfig:
+        """Make `config` the one new requests get; the previous one (requests that
+        already have it keep it to their end)."""
+        old, self.config = self.config, config
+        return old
+
+    def users(self, config: SchedulingConfig) -> int:
+        """Requests that hold `config`: picking, or routed and not finished."""
+        return self._users.get(id(config), 0)
+
+    async def wait_idle(self, config: SchedulingConfig) -> None:
+        """Return once no request holds `config`."""
+        if self.users(config) == 0:
+            return
+        event = self._idle.setdefault(id(config), asyncio.Event())
+        await event.wait()
+
+    def _retain(self, config: SchedulingConfig) -> None:
+        key = id(config)
+        self._users[key] = self._users.get(key, 0) + 1
+
+    def _release(self, config: SchedulingConfig) -> None:
+        key = id(config)
+        left = self._users.get(key, 0) - 1
+        if left > 0:
+            self._users[key] = left
+            return
+        self._users.pop(key, None)
+        event = self._idle.pop(key, None)
+        if event is not None:
+            event.set()
 
     def candidates(self, subset: Sequence[str] | None) -> tuple[Endpoint, ...]:
         """Ready endpoints, restricted to Envoy's subset hint when it sent one."""
@@ -159,6 +200,17 @@ class Director:
 
         Raises an `EppError` (503 nothing available, 429 everything filtered out)."""
         config = self.config
+        self._retain(config)
+        try:
+            return await self._pick(config, request, subset)
+        except BaseException:
+            # Cancelled or refused before a decision: nothing will finish it.
+            self._release(config)
+            raise
+
+    async def _pick(
+        self, config: SchedulingConfig, request: InferenceRequest, subset: Sequence[str] | None
+    ) -> Decision:
         candidates = self.candidates(subset)
         cycle = CycleState()
         self._admit(config, request, cycle, candidates)
@@ -219,12 +271,22 @@ class Director:
             except Exception:
                 log.exception("post-response plugin %s failed", slot.name)
             slot.observe(time.perf_counter() - t0)
+        self._release(decision.config)
 
     async def explain(
         self, request: InferenceRequest, subset: Sequence[str] | None = None
     ) -> dict[str, Any]:
         """What `pick_endpoint` would decide now, with every score, changing nothing."""
         config = self.config
+        self._retain(config)
+        try:
+            return await self._explain(config, request, subset)
+        finally:
+            self._release(config)
+
+    async def _explain(
+        self, config: SchedulingConfig, request: InferenceRequest, subset: Sequence[str] | None
+    ) -> dict[str, Any]:
         candidates = self.candidates(subset)
         cycle = CycleState()
         shed: str | None = None

@@ -28,6 +28,38 @@ class Telemetry:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         r.register(_EndpointCollector(datastore))
+        # The running config's plugins register their metrics in a registry of their
+        # own (`plugin_metrics.registry`), swapped with the config on reload: a new
+        # config's plugins can then register the same names again.
+        self.plugin_metrics = _PluginMetrics()
+        r.register(self.plugin_metrics)
+        self.config_reloads = Counter(
+            "epp_config_reloads",
+            "Changes of the --config file seen: applied (the new config serves new"
+            " requests), rejected (invalid: the running config stays), unchanged (same"
+            " content).",
+            ["result"],
+            registry=r,
+        )
+        self.config_last_reload_successful = Gauge(
+            "epp_config_last_reload_successful",
+            "1 if the last change of the --config file was applied (or there was none),"
+            " 0 if it was rejected.",
+            registry=r,
+        )
+        self.config_last_reload_successful.set(1)
+        self.config_last_reload_success_time = Gauge(
+            "epp_config_last_reload_success_timestamp_seconds",
+            "When a config was last applied (Unix time; the start counts).",
+            registry=r,
+        )
+        self.config_last_reload_success_time.set_to_current_time()
+        self.configs_draining = Gauge(
+            "epp_configs_draining",
+            "Replaced configs still held by requests they routed; their plugins'"
+            " background tasks stop when the last one ends.",
+            registry=r,
+        )
         self.requests = Counter(
             "epp_requests",
             "Requests seen by the EPP, by outcome of the request phase (routed, or the"
@@ -158,3 +190,18 @@ class _EndpointCollector(Collector):
             in_flight.add_metric([endpoint.name], endpoint.in_flight)
         yield ready
         yield in_flight
+
+
+class _PluginMetrics(Collector):
+    """Serves the running config's plugin registry as part of the application's."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+
+    def describe(self) -> list[Metric]:
+        # Names are checked within the plugin registry, which changes with the
+        # config; here there is nothing to reserve.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()

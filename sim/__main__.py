@@ -1,4 +1,5 @@
-"""`python -m sim serve --port P` (one simulated vLLM pod) or `python -m sim fleet ...`."""
+"""`python -m sim serve --port P` (one simulated vLLM pod), `python -m sim fleet ...`, or
+`python -m sim kubeapi ...` (a simulated Kubernetes API server)."""
 
 from __future__ import annotations
 

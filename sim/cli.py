@@ -243,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
         "usage: python -m sim serve --port P [options]   (one pod; serve --help)\n"
-        "       python -m sim fleet --n N --base-port P --endpoints-file OUT [serve options]"
+        "       python -m sim fleet --n N --base-port P --endpoints-file OUT [serve options]\n"
+        "       python -m sim kubeapi [--port P --pods N --pool NAME ...]   (kubeapi --help)"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -253,5 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_main(rest)
     if command == "fleet":
         return fleet_main(rest)
+    if command == "kubeapi":
+        # Imported here: the pods' own start-up does not need it.
+        from sim.kubeapi import main as kubeapi_main
+
+        return kubeapi_main(rest)
     print(f"unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2

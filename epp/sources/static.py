@@ -144,6 +144,9 @@ class StaticEndpointSource:
             raise InvalidEndpointsFile(str(self.path), [f"cannot read the file: {exc}"]) from None
         return parse_endpoints(text, str(self.path))
 
+    def not_ready_reason(self) -> str | None:
+        return None if self.datastore.synced else f"{self.path} has not been loaded"
+
     def load(self) -> None:
         """Read the file now and apply it; raises `InvalidEndpointsFile`."""
         self._signature = _signature(self.path)

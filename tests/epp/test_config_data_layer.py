@@ -110,6 +110,29 @@ def test_metrics_readers_get_the_default_source_with_the_flags(registry: PluginR
     assert [name for name, _ in config.background.tasks] == ["metrics-data-source"]
 
 
+def test_the_default_source_takes_a_declared_extractor(registry: PluginRegistry) -> None:
+    # No source declared, but an extractor with a custom engine is: the default
+    # source must scrape with that extractor, or the custom engine's pods would be
+    # read with the built-in names and scored as if idle.
+    config = load(
+        """\
+        plugins:
+        - type: queue-scorer
+        - type: core-metrics-extractor
+          parameters:
+            defaultEngine: my-engine
+            engineConfigs:
+            - {name: my-engine, queuedRequestsSpec: q, runningRequestsSpec: r, kvUsageSpec: k}
+        schedulingProfiles:
+        - name: default
+          plugins: [{pluginRef: queue-scorer}]
+        """,
+        registry,
+    )
+    (source,) = sources(config)
+    assert source.scraper.extractor is config.plugins["core-metrics-extractor"]
+
+
 def test_nothing_is_scraped_when_no_plugin_reads_metrics(registry: PluginRegistry) -> None:
     config = load(
         """\

@@ -1,0 +1,881 @@
+"""The Helm chart (manifests/helm/inferencepool), rendered and linted by the real
+Helm library, every object validated against Kubernetes' own schemas (PyPI
+kubernetes-validate, strict: unknown fields are errors) for each supported
+Kubernetes version, and what it configures checked against the EPP itself: its
+config loader, its command line, its ports.
+
+Each values set is rendered once (cached); the tests then read the objects."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from bench.stack import envoy_binary
+from epp.cli import build_parser, kube_options
+from epp.config import SchedulingConfig, load_config
+from epp.scheduling.registry import PluginRegistry
+from tests.manifests.chart import (
+    CHART,
+    EPP,
+    EXAMPLE,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    Obj,
+    Rendered,
+    deep_merge,
+    lint,
+    render,
+)
+from tests.manifests.crd_schemas import CUSTOM_RESOURCE_SCHEMAS
+from tests.manifests.example_plugin import example_src, registry_with_example
+
+POOL_LABELS: Final = {"app": "vllm-llama3-8b-instruct"}
+REQUIRED: Final[dict[str, Any]] = {"inferencePool": {"modelServers": {"matchLabels": POOL_LABELS}}}
+APPROX_PREFIX_YAML: Final = ROOT / "manifests" / "config" / "approx-prefix.yaml"
+
+# manifests/config/approx-prefix.yaml written as plain chart values.
+APPROX_PREFIX_VALUES: Final[dict[str, Any]] = {
+    "inferenceExtension": {
+        "scheduling": {
+            "scorers": {
+                "prefix-cache-scorer": {
+                    "weight": 3,
+                    "parameters": {
+                        "blockSizeTokens": 16,
+                        "maxPrefixBlocksToMatch": 256,
+                        "lruCapacityPerServer": 31250,
+                    },
+                },
+                "queue-scorer": {"weight": 2},
+                "kv-cache-utilization-scorer": {"weight": 2},
+            },
+            "plugins": [
+                {
+                    "type": "utilization-detector",
+                    "parameters": {"queueDepthThreshold": 5, "kvCacheUtilThreshold": 0.8},
+                }
+            ],
+            "saturationDetector": "utilization-detector",
+        }
+    },
+    "inferenceObjectives": [{"name": "batch", "priority": -1}],
+}
+
+
+def _example_values() -> dict[str, Any]:
+    # Parsed the way `helm install -f` reads a values file.
+    text = (EXAMPLE / "values.yaml").read_text(encoding="utf-8")
+    return helm.values_from_yaml(text)
+
+
+VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
+    "default": REQUIRED,
+    "replicas-pdb": deep_merge(
+        REQUIRED,
+        {"inferenceExtension": {"replicas": 3, "podDisruptionBudget": {"enabled": True}}},
+    ),
+    "servicemonitor": deep_merge(
+        REQUIRED,
+        {
+            "inferenceExtension": {
+                "monitoring": {
+                    "interval": "15s",
+                    "prometheus": {"enabled": True, "labels": {"release": "prometheus"}},
+                }
+            }
+        },
+    ),
+    "standalone-envoy": deep_merge(
+        REQUIRED,
+        {
+            "envoy": {"enabled": True},
+            "inferenceExtension": {"replicas": 2, "failureMode": "FailOpen"},
+        },
+    ),
+    "custom-config": deep_merge(
+        REQUIRED,
+        {
+            "inferenceExtension": {
+                "pluginsConfigFile": "approx-prefix.yaml",
+                "pluginsCustomConfig": {
+                    "approx-prefix.yaml": APPROX_PREFIX_YAML.read_text(encoding="utf-8")
+                },
+            }
+        },
+    ),
+    "scorer-weights": deep_merge(REQUIRED, APPROX_PREFIX_VALUES),
+    "example-plugin": _example_values(),
+    "selector-no-pool": deep_merge(
+        REQUIRED,
+        {
+            "inferencePool": {
+                "enabled": False,
+                "targetPorts": [{"number": 8000}, {"number": 8001}],
+            },
+            "inferenceExtension": {"kvEvents": {"port": 5557, "replayPort": 5567}},
+        },
+    ),
+    "v1alpha2-sglang": deep_merge(
+        REQUIRED,
+        {
+            "inferencePool": {
+                "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                "modelServerType": "sglang",
+            },
+            "inferenceExtension": {
+                "scheduling": {
+                    "filters": [{"type": "stale-metrics-filter", "name": "fresh-only"}],
+                    "scorers": {
+                        "queue-scorer": {"weight": 1.5},
+                        "kv-cache-utilization-scorer": {"weight": 0},
+                        "load-aware-scorer": {"enabled": False},
+                        "inflight": {"type": "active-request-scorer"},
+                    },
+                    "picker": {"type": "weighted-random-picker"},
+                },
+                "flags": {
+                    "v": 3,
+                    "debug-endpoints": True,
+                    "log-prompts": False,
+                    "config-reload-interval": "5s",
+                    "refresh-metrics-interval": "100ms",
+                },
+            },
+        },
+    ),
+}
+SETS: Final = sorted(VALUE_SETS)
+WITH_ENVOY: Final = [s for s in SETS if VALUE_SETS[s].get("envoy", {}).get("enabled")]
+
+
+@functools.cache
+def rendered(name: str) -> Rendered:
+    return render(VALUE_SETS[name])
+
+
+@pytest.fixture(params=SETS)
+def chart(request: pytest.FixtureRequest) -> Rendered:
+    name: str = request.param
+    return rendered(name)
+
+
+def _registry(monkeypatch: pytest.MonkeyPatch) -> PluginRegistry:
+    monkeypatch.syspath_prepend(str(example_src()))
+    return registry_with_example()
+
+
+def _serve_args(chart: Rendered) -> Any:
+    parser = build_parser()
+    try:
+        return parser.parse_args(["serve", *chart.epp_args])
+    except SystemExit as exc:  # argparse reports and exits
+        raise AssertionError(f"`epp serve` refuses the chart's args {chart.epp_args}") from exc
+
+
+def _epp_config_text(chart: Rendered) -> str:
+    """The config file the picker is told to load, from the ConfigMap it mounts."""
+    path = Path(_serve_args(chart).config_file)
+    assert path.parent == Path("/config"), path
+    return chart.config_files[path.name]
+
+
+def _load(text: str, monkeypatch: pytest.MonkeyPatch) -> SchedulingConfig:
+    return load_config(text, _registry(monkeypatch), source="ConfigMap")
+
+
+def _weights(config: SchedulingConfig) -> dict[str, float]:
+    profile = config.scheduler.profiles["default"]
+    return {s.slot.name: s.weight for s in profile.scorers}
+
+
+# ---------------------------------------------------------------------------
+# Helm itself: lint, schema, render-time checks
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", SETS)
+def test_lint_is_clean(name: str, kube_version: str) -> None:
+    assert lint(VALUE_SETS[name], kube_version) == []
+
+
+def test_chart_metadata() -> None:
+    with helm.Chart.load(CHART) as chart:
+        assert chart.name == "inferencepool"
+        assert chart.schema is not None, "values.schema.json is missing"
+        # The defaults pass the schema, and every key of the schema's top level exists.
+        chart.validate_schema(REQUIRED)
+        assert chart.metadata["kubeVersion"] == ">=1.30.0-0"
+
+
+@pytest.mark.parametrize(
+    ("values", "offending"),
+    [
+        pytest.param({"inferenceExtension": {"replica": 3}}, "replica", id="top-level key"),
+        pytest.param(
+            {"inferenceExtension": {"scheduling": {"scorers": {"queue-scorer": {"wieght": 2}}}}},
+            "wieght",
+            id="scorer field",
+        ),
+        pytest.param({"inferencePool": {"targetPort": [8000]}}, "targetPort", id="pool field"),
+        pytest.param({"envoy": {"enabeld": True}}, "enabeld", id="envoy field"),
+        pytest.param({"inferenceObjective": []}, "inferenceObjective", id="root key"),
+        pytest.param(
+            {"inferenceExtension": {"flags": {"log-fromat": "json"}}}, "log-fromat", id="flag name"
+        ),
+        pytest.param(
+            {"inferenceExtension": {"flags": {"pool-name": "other"}}},
+            "pool-name",
+            id="flag the chart sets",
+        ),
+        pytest.param({"inferencePool": {"modelServerType": "vllm2"}}, "modelServerType", id="enum"),
+        pytest.param(
+            {"inferenceExtension": {"failureMode": "FailOpened"}}, "failureMode", id="failure mode"
+        ),
+        pytest.param({"inferenceExtension": {"replicas": "3"}}, "replicas", id="type"),
+        pytest.param({"inferenceExtension": {"extProcPort": 70000}}, "extProcPort", id="port"),
+        pytest.param(
+            {"inferenceExtension": {"scheduling": {"scorers": {"queue-scorer": {"weight": -1}}}}},
+            "weight",
+            id="negative weight",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"shutdownGrace": "2 minutes"}}, "shutdownGrace", id="duration"
+        ),
+        pytest.param(
+            {"inferencePool": {"modelServers": {"matchLabels": {"app": "not a label"}}}},
+            "matchLabels",
+            id="label value",
+        ),
+    ],
+)
+def test_a_typo_fails_at_render_time_with_a_schema_error(
+    values: dict[str, Any], offending: str
+) -> None:
+    with pytest.raises(helm.HelmValuesError) as caught:
+        render(deep_merge(REQUIRED, values))
+    message = str(caught.value)
+    assert "schema" in message
+    assert offending in message
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        pytest.param(
+            {},
+            "inferencePool.modelServers.matchLabels is required",
+            id="no pool labels",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"pluginsConfigFile": "mine.yaml"}},
+            "neither default-plugins.yaml nor a key of inferenceExtension.pluginsCustomConfig",
+            id="config file not in the ConfigMap",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"pluginsCustomConfig": {"default-plugins.yaml": "x: 1"}}},
+            "must not define default-plugins.yaml",
+            id="custom config hiding the built one",
+        ),
+        pytest.param(
+            {
+                "inferenceExtension": {
+                    "scheduling": {
+                        "filters": [{"type": "stale-metrics-filter", "name": "queue-scorer"}],
+                        "scorers": {"queue-scorer": {}},
+                    }
+                }
+            },
+            'plugin name "queue-scorer" is used twice',
+            id="duplicate plugin name",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"scheduling": {"saturationDetector": "detector"}}},
+            'saturationDetector "detector" names no plugin',
+            id="dangling saturation detector",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"kvEvents": {"replayPort": 5558}}},
+            "replayPort needs inferenceExtension.kvEvents.port",
+            id="replay port alone",
+        ),
+        pytest.param(
+            {
+                "inferencePool": {
+                    "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                    "targetPorts": [{"number": 8000}, {"number": 8001}],
+                }
+            },
+            "has a single target port",
+            id="v1alpha2 with two ports",
+        ),
+        pytest.param(
+            {"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8000}]}},
+            "lists port 8000 twice",
+            id="duplicate target port",
+        ),
+    ],
+)
+def test_values_the_schema_cannot_judge_fail_with_a_message(
+    values: dict[str, Any], message: str
+) -> None:
+    # `{}`: not even the required values.
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(deep_merge(REQUIRED, values) if values else {})
+    assert message in str(caught.value)
+
+
+# ---------------------------------------------------------------------------
+# Every object is valid Kubernetes
+
+
+def _distinct(objects: list[Obj]) -> Iterator[Obj]:
+    seen: set[str] = set()
+    for obj in objects:
+        key = json.dumps(obj, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            yield obj
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_every_rendered_object_is_valid_for_the_kubernetes_version(kube_version: str) -> None:
+    objects = [obj for name in SETS for obj in rendered(name).objects]
+    kinds: set[str] = set()
+    invalid: list[str] = []
+    for obj in _distinct(objects):
+        kinds.add(obj["kind"])
+        custom = CUSTOM_RESOURCE_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+        try:
+            if custom is not None:
+                # Not part of Kubernetes: checked against our schema of the CRD.
+                jsonschema.Draft202012Validator(custom).validate(obj)
+            else:
+                kubernetes_validate.validate(obj, kube_version, strict=True)
+        except jsonschema.ValidationError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path)
+            invalid.append(f"{Rendered.key(obj)} at {where or '/'}: {exc.message}")
+    assert invalid == []
+    # Every kind the chart can produce was seen in some values set.
+    assert kinds == {
+        "ConfigMap",
+        "Deployment",
+        "InferencePool",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+        "ServiceMonitor",
+    }
+
+
+def test_the_custom_resource_schemas_reject_what_the_api_server_would() -> None:
+    pool = rendered("default").one("InferencePool", RELEASE)
+    validator = jsonschema.Draft202012Validator(
+        CUSTOM_RESOURCE_SCHEMAS[("inference.networking.k8s.io/v1", "InferencePool")]
+    )
+    validator.validate(pool)
+    broken = json.loads(json.dumps(pool))
+    broken["spec"]["targetPorts"] = [{"number": 8000}] * 9
+    assert not validator.is_valid(broken)
+    broken = json.loads(json.dumps(pool))
+    broken["spec"]["endpointPickerRef"]["failureMode"] = "Open"
+    assert not validator.is_valid(broken)
+    broken = json.loads(json.dumps(pool))
+    del broken["spec"]["endpointPickerRef"]["port"]
+    assert not validator.is_valid(broken)
+
+
+def test_nothing_is_cluster_scoped_or_outside_the_release_namespace(chart: Rendered) -> None:
+    for obj in chart.objects:
+        assert obj["metadata"].get("namespace") == NAMESPACE, Rendered.key(obj)
+        assert not obj["kind"].startswith("Cluster"), Rendered.key(obj)
+
+
+# ---------------------------------------------------------------------------
+# The picker's config: valid for this EPP, built from the values
+
+
+def test_the_config_the_picker_loads_is_valid_for_the_epp(
+    chart: Rendered, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _load(_epp_config_text(chart), monkeypatch)
+    assert "default" in config.scheduler.profiles
+    # default-plugins.yaml is always there and valid, even when another file is used.
+    _load(chart.config_files["default-plugins.yaml"], monkeypatch)
+
+
+def test_the_default_config_is_the_epps_default() -> None:
+    built = yaml.safe_load(rendered("default").config_files["default-plugins.yaml"])
+    shipped = yaml.safe_load((ROOT / "manifests" / "config" / "default.yaml").read_text())
+    assert built == shipped, (
+        "the chart's default scheduling values (values.yaml, inferenceExtension.scheduling)"
+        " no longer reproduce manifests/config/default.yaml: update them together"
+    )
+
+
+def test_plain_values_reproduce_a_shipped_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = rendered("scorer-weights").config_files["default-plugins.yaml"]
+    config = _load(text, monkeypatch)
+    assert _weights(config) == {
+        "prefix-cache-scorer": 3,
+        "queue-scorer": 2,
+        "kv-cache-utilization-scorer": 2,
+    }
+    assert config.saturation_detector is not None
+    assert config.saturation_detector.name == "utilization-detector"
+    assert dict(config.objectives) == {"batch": -1}
+    assert config.scheduler.profiles["default"].picker.name == "max-score-picker"
+
+    def canonical(doc: dict[str, Any]) -> dict[str, Any]:
+        by_name = lambda p: p.get("name", p.get("type", p.get("pluginRef")))  # noqa: E731
+        doc["plugins"] = sorted(doc["plugins"], key=by_name)
+        for profile in doc["schedulingProfiles"]:
+            profile["plugins"] = sorted(profile["plugins"], key=by_name)
+        return doc
+
+    built = canonical(yaml.safe_load(text))
+    shipped = canonical(yaml.safe_load(APPROX_PREFIX_YAML.read_text()))
+    assert built == shipped
+
+
+def test_filters_scorer_weights_and_picker_from_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    chart = rendered("v1alpha2-sglang")
+    config = _load(_epp_config_text(chart), monkeypatch)
+    profile = config.scheduler.profiles["default"]
+    assert [f.name for f in profile.filters] == ["fresh-only"]
+    assert [f.type_name for f in profile.filters] == ["stale-metrics-filter"]
+    # weight 0 is kept (not turned into the default 1), a disabled scorer is absent,
+    # a scorer's type defaults to its key unless given.
+    assert _weights(config) == {
+        "inflight": 1,
+        "kv-cache-utilization-scorer": 0,
+        "queue-scorer": 1.5,
+    }
+    assert {s.slot.name: s.slot.type_name for s in profile.scorers}["inflight"] == (
+        "active-request-scorer"
+    )
+    assert profile.picker.type_name == "weighted-random-picker"
+    # A non-vLLM pool reads its engine's metric names.
+    doc = yaml.safe_load(chart.config_files["default-plugins.yaml"])
+    extractor = next(p for p in doc["plugins"] if p["type"] == "core-metrics-extractor")
+    assert extractor["parameters"] == {"defaultEngine": "sglang"}
+    assert "metrics-data-source" in config.plugins
+
+
+def test_a_whole_custom_config_is_used_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    chart = rendered("custom-config")
+    assert _serve_args(chart).config_file == "/config/approx-prefix.yaml"
+    assert yaml.safe_load(chart.config_files["approx-prefix.yaml"]) == yaml.safe_load(
+        APPROX_PREFIX_YAML.read_text()
+    )
+    assert _weights(_load(_epp_config_text(chart), monkeypatch))["prefix-cache-scorer"] == 3
+
+
+def test_large_numbers_in_parameters_survive_helm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Helm reads numbers as floats; the config must still carry integers.
+    chart = render(
+        deep_merge(
+            REQUIRED,
+            {
+                "inferenceExtension": {
+                    "scheduling": {
+                        "scorers": {
+                            "prefix-cache-scorer": {
+                                "parameters": {
+                                    "lruCapacityPerServer": 2000000,
+                                    "blockSizeTokens": 64,
+                                }
+                            }
+                        }
+                    }
+                }
+            },
+        )
+    )
+    text = chart.config_files["default-plugins.yaml"]
+    params = yaml.safe_load(text)["plugins"][0]["parameters"]
+    assert params == {"lruCapacityPerServer": 2000000, "blockSizeTokens": 64}
+    _load(text, monkeypatch)
+
+
+def test_the_config_is_reloaded_not_restarted() -> None:
+    chart = rendered("default")
+    pod = chart.epp_pod
+    mount = next(m for m in chart.epp_container["volumeMounts"] if m["name"] == "config")
+    # A subPath mount never sees ConfigMap updates; the directory does.
+    assert mount["mountPath"] == "/config"
+    assert "subPath" not in mount
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == EPP
+    # No config checksum on the pod template: a config change must not roll the pods.
+    assert not any("checksum" in k for k in pod["metadata"].get("annotations", {}))
+    assert _serve_args(chart).config_reload_interval > 0
+
+
+# ---------------------------------------------------------------------------
+# The Deployment's command line, ports, probes, security
+
+
+def test_the_deployment_args_are_flags_epp_serve_accepts(chart: Rendered) -> None:
+    args = _serve_args(chart)
+    kube = kube_options(args)
+    assert kube is not None, "no Kubernetes endpoint source in the args"
+    assert kube.check() == []
+    assert args.endpoints_file is None
+    assert args.config_text is None
+    pool = chart.get("InferencePool", RELEASE)
+    if pool is not None:
+        assert args.pool_name == RELEASE
+        assert args.pool_namespace == NAMESPACE
+        assert pool["apiVersion"].split("/")[0] == args.pool_group
+    else:
+        assert args.pool_name is None
+        assert args.endpoint_selector == POOL_LABELS
+    # The chart's default flag, and what --shutdown-grace leaves of the grace period.
+    assert args.log_format == "json"
+    assert args.shutdown_grace < chart.epp_pod["spec"]["terminationGracePeriodSeconds"]
+
+
+def test_standalone_mode_selects_the_pods_itself() -> None:
+    chart = rendered("selector-no-pool")
+    args = _serve_args(chart)
+    assert chart.get("InferencePool", RELEASE) is None
+    assert args.endpoint_selector == POOL_LABELS
+    assert args.endpoint_target_ports == (8000, 8001)
+    assert (args.kv_events_port, args.kv_events_replay_port) == (5557, 5567)
+
+
+def test_extra_flags_are_rendered_as_epp_flags() -> None:
+    args = _serve_args(rendered("v1alpha2-sglang"))
+    assert args.verbosity == 3
+    assert args.debug_endpoints is True
+    assert args.log_prompts is False
+    assert args.config_reload_interval == 5.0
+    assert args.refresh_metrics_interval == pytest.approx(0.1)
+    assert args.log_format == "json"  # the chart's default flag, merged with these
+
+
+def _service_ports(service: Obj) -> dict[str, int]:
+    return {p["name"]: p["port"] for p in service["spec"]["ports"]}
+
+
+def test_the_service_exposes_grpc_health_and_metrics(chart: Rendered) -> None:
+    service = chart.one("Service")
+    assert _service_ports(service) == {
+        "grpc-ext-proc": 9002,
+        "grpc-health": 9003,
+        "http-metrics": 9090,
+    }
+    container_ports = {p["name"]: p["containerPort"] for p in chart.epp_container["ports"]}
+    for port in service["spec"]["ports"]:
+        assert container_ports[port["targetPort"]] == port["port"]
+    args = _serve_args(chart)
+    assert (args.grpc_port, args.grpc_health_port, args.metrics_port) == (9002, 9003, 9090)
+    assert service["spec"]["selector"].items() <= chart.epp_pod["metadata"]["labels"].items()
+
+
+def test_probes_use_the_grpc_health_port(chart: Rendered) -> None:
+    container = chart.epp_container
+    health_port = _serve_args(chart).grpc_health_port
+    for probe, service in [
+        ("startupProbe", "liveness"),
+        ("livenessProbe", "liveness"),
+        ("readinessProbe", "readiness"),
+    ]:
+        assert container[probe]["grpc"] == {"port": health_port, "service": service}
+
+
+def _assert_locked_down(pod_spec: Obj, container: Obj, uid: int) -> None:
+    pod_sc = pod_spec["securityContext"]
+    sc = container["securityContext"]
+    assert pod_sc["runAsNonRoot"] is True
+    assert pod_sc["runAsUser"] == uid
+    assert pod_sc["runAsUser"] != 0
+    assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in sc or sc["privileged"] is False
+
+
+def test_the_picker_runs_locked_down(chart: Rendered) -> None:
+    _assert_locked_down(chart.epp_pod["spec"], chart.epp_container, uid=10001)
+    # The one writable place under the read-only root filesystem.
+    assert {"name": "tmp", "mountPath": "/tmp"} in chart.epp_container["volumeMounts"]
+    assert chart.epp_container["resources"]["limits"]["memory"]
+
+
+@pytest.mark.parametrize("name", WITH_ENVOY)
+def test_envoy_runs_locked_down(name: str) -> None:
+    chart = rendered(name)
+    pod = chart.one("Deployment", f"{RELEASE}-envoy")["spec"]["template"]["spec"]
+    _assert_locked_down(pod, pod["containers"][0], uid=65532)
+    assert pod["automountServiceAccountToken"] is False
+
+
+# ---------------------------------------------------------------------------
+# RBAC: what the picker calls, nothing more
+
+
+def test_rbac_grants_only_reading_pods_and_the_pool(chart: Rendered) -> None:
+    role = chart.one("Role")
+    expected = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    pool = chart.get("InferencePool", RELEASE)
+    if pool is not None:
+        group = pool["apiVersion"].split("/")[0]
+        expected.append(
+            {
+                "apiGroups": [group],
+                "resources": ["inferencepools"],
+                "verbs": ["get", "list", "watch"],
+            }
+        )
+    assert role["rules"] == expected
+    binding = chart.one("RoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": EPP,
+    }
+    account = chart.one("ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    assert chart.epp_pod["spec"]["serviceAccountName"] == account
+    kinds = {o["kind"] for o in chart.objects}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+
+
+# ---------------------------------------------------------------------------
+# InferencePool, replicas, PDB, ServiceMonitor
+
+
+def test_the_inferencepool_points_at_the_picker() -> None:
+    pool = rendered("default").one("InferencePool", RELEASE)
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": POOL_LABELS},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {
+            "kind": "Service",
+            "name": EPP,
+            "port": {"number": 9002},
+            "failureMode": "FailClose",
+        },
+    }
+    old = rendered("v1alpha2-sglang").one("InferencePool", RELEASE)
+    assert old["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
+    assert old["spec"] == {
+        "selector": POOL_LABELS,
+        "targetPortNumber": 8000,
+        "extensionRef": {"name": EPP, "portNumber": 9002, "failureMode": "FailClose"},
+    }
+
+
+def test_replicas_spread_and_are_protected_by_a_pdb() -> None:
+    chart = rendered("replicas-pdb")
+    deployment = chart.one("Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    # Active-active: a rolling update never leaves zero ready pickers.
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    labels = chart.epp_pod["metadata"]["labels"]
+    pdb = chart.one("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    anti = chart.epp_pod["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"].items() <= labels.items()
+    # One replica: no PDB unless asked, no anti-affinity.
+    single = rendered("default")
+    assert single.all("PodDisruptionBudget") == []
+    assert "affinity" not in single.epp_pod["spec"]
+
+
+def test_a_pdb_with_min_available() -> None:
+    chart = render(
+        deep_merge(
+            REQUIRED,
+            {
+                "inferenceExtension": {
+                    "replicas": 3,
+                    "podDisruptionBudget": {"enabled": True, "minAvailable": 2},
+                }
+            },
+        )
+    )
+    assert chart.one("PodDisruptionBudget")["spec"]["minAvailable"] == 2
+    assert "maxUnavailable" not in chart.one("PodDisruptionBudget")["spec"]
+
+
+def test_the_servicemonitor_scrapes_the_metrics_port() -> None:
+    chart = rendered("servicemonitor")
+    monitor = chart.one("ServiceMonitor")
+    service = chart.one("Service")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    matched = [
+        s for s in chart.all("Service") if selector.items() <= s["metadata"]["labels"].items()
+    ]
+    assert matched == [service]
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "http-metrics", "path": "/metrics", "scheme": "http", "interval": "15s"}
+    ]
+    assert _service_ports(service)["http-metrics"] == _serve_args(chart).metrics_port
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert rendered("default").all("ServiceMonitor") == []
+
+
+# ---------------------------------------------------------------------------
+# The standalone Envoy
+
+
+def _envoy_bootstrap(chart: Rendered) -> dict[str, Any]:
+    config_map = chart.one("ConfigMap", f"{RELEASE}-envoy")
+    bootstrap: dict[str, Any] = yaml.safe_load(config_map["data"]["envoy.yaml"])
+    return bootstrap
+
+
+def _ext_proc(bootstrap: Mapping[str, Any]) -> dict[str, Any]:
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                for http_filter in network_filter["typed_config"].get("http_filters", []):
+                    if http_filter["name"] == "envoy.filters.http.ext_proc":
+                        config: dict[str, Any] = http_filter["typed_config"]
+                        return config
+    raise AssertionError("no ext_proc filter")
+
+
+@pytest.mark.parametrize("name", WITH_ENVOY)
+def test_the_envoy_bootstrap_is_valid_for_envoy(name: str, tmp_path: Path) -> None:
+    try:
+        envoy = envoy_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    chart = rendered(name)
+    config = tmp_path / "envoy.yaml"
+    config.write_text(chart.one("ConfigMap", f"{RELEASE}-envoy")["data"]["envoy.yaml"])
+    # The container's own command line, with the mounted file's path replaced.
+    container = chart.one("Deployment", f"{RELEASE}-envoy")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert container["command"] == ["envoy"]
+    args: list[str] = list(container["args"])
+    at = args.index("--config-path") + 1
+    assert args[at] == "/etc/envoy/envoy.yaml"
+    assert {"name": "config", "mountPath": "/etc/envoy", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    args[at] = str(config)
+    result = subprocess.run(
+        [envoy, *args, "--mode", "validate"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_envoy_uses_the_projects_ext_proc_settings() -> None:
+    chart = rendered("standalone-envoy")
+    ours = _ext_proc(_envoy_bootstrap(chart))
+    shipped = _ext_proc(yaml.safe_load((ROOT / "manifests" / "envoy" / "envoy.yaml").read_text()))
+    for key in ("processing_mode", "message_timeout", "metadata_options"):
+        assert ours[key] == shipped[key], key
+    assert ours["grpc_service"]["timeout"] == shipped["grpc_service"]["timeout"]
+    # FailOpen in the values.
+    assert ours["failure_mode_allow"] is True
+    assert shipped["failure_mode_allow"] is False
+
+
+def test_envoy_reaches_every_picker_replica() -> None:
+    chart = rendered("standalone-envoy")
+    bootstrap = _envoy_bootstrap(chart)
+    cluster = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "epp")
+    lb_endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    address = lb_endpoint["address"]["socket_address"]
+    headless_name = f"{RELEASE}-epp-pods"
+    assert address == {"address": f"{headless_name}.{NAMESPACE}.svc", "port_value": 9002}
+    assert lb_endpoint["health_check_config"]["port_value"] == 9003
+    assert cluster["type"] == "STRICT_DNS"
+    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == (
+        "envoy.service.ext_proc.v3.ExternalProcessor"
+    )
+    headless = chart.one("Service", headless_name)
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= chart.epp_pod["metadata"]["labels"].items()
+    envoy_service = chart.one("Service", f"{RELEASE}-envoy")
+    envoy_pod = chart.one("Deployment", f"{RELEASE}-envoy")["spec"]["template"]
+    assert envoy_service["spec"]["selector"].items() <= envoy_pod["metadata"]["labels"].items()
+    # The picker's Service and the headless one select the same pods, but only the
+    # former is scraped.
+    assert _service_ports(envoy_service) == {"http": 8081}
+    assert rendered("default").get("Service", headless_name) is None
+
+
+# ---------------------------------------------------------------------------
+# The flags the schema lets through are exactly `epp serve`'s own
+
+
+# Flags the chart renders itself (so the values cannot set them twice).
+CHART_FLAGS: Final = {
+    "config",
+    "config-file",
+    "config-text",
+    "endpoints-file",
+    "pool-name",
+    "pool-namespace",
+    "pool-group",
+    "endpoint-selector",
+    "endpoint-target-ports",
+    "grpc-port",
+    "grpc-health-port",
+    "metrics-port",
+    "kv-events-port",
+    "kv-events-replay-port",
+    "shutdown-grace",
+}
+
+
+def _serve_flags() -> set[str]:
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve: argparse.ArgumentParser = commands.choices["serve"]
+    return {
+        option[2:]
+        for action in serve._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    }
+
+
+def test_the_schema_allows_every_epp_serve_flag_the_chart_does_not_set() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    allowed = set(schema["properties"]["inferenceExtension"]["properties"]["flags"]["properties"])
+    flags = _serve_flags()
+    assert flags >= CHART_FLAGS, f"the chart sets flags epp serve lacks: {CHART_FLAGS - flags}"
+    assert allowed == flags - CHART_FLAGS, (
+        "values.schema.json inferenceExtension.flags is out of step with `epp serve --help`:"
+        f" missing {sorted(flags - CHART_FLAGS - allowed)}, unknown {sorted(allowed - flags)}"
+    )
+
+
+def test_notes_tell_how_to_reach_the_pool() -> None:
+    assert f"InferencePool {RELEASE}" in rendered("default").notes
+    assert f"svc/{RELEASE}-envoy" in rendered("standalone-envoy").notes
