@@ -4,6 +4,8 @@ python -m bench run        a workload through routing policies to a simulated fl
 python -m bench demo       Envoy + EPP + 4 simulated pods: round-robin vs the others
 python -m bench overhead   what the EPP adds per request, through real Envoy
 python -m bench churn      time from a pod change in the Kubernetes API to routing
+python -m bench agreement  two EPP replicas behind one Envoy: do they pick the same pod?
+python -m bench soak       a long steady load with pod restarts: memory, index, latency drift
 python -m bench peers      install the peer routers (sglang-router, vllm-router)
 """
 
@@ -261,15 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("peers", help="install the peer routers into .venv-peers")
 
     # Imported for its parser only; the benchmark's own imports wait for its command.
-    from bench import churn
+    from bench import agreement, churn, soak
 
     churn.add_parser(commands)
+    agreement.add_parser(commands)
+    soak.add_parser(commands)
 
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_command(args, argv)
     if args.command == "churn":
         return churn.command(args, argv)
+    if args.command == "agreement":
+        return agreement.command(args, argv)
+    if args.command == "soak":
+        return soak.command(args, argv)
     if args.command == "peers":
         from bench.peers import ensure_peer_venv
 

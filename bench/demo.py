@@ -23,7 +23,7 @@ from bench.workloads import WorkloadSpec, default_tokenizer_dir
 
 # The policies the demo compares, by config name (manifests/config/NAME.yaml) or
 # path; the baseline first. Add a prefix-aware profile here when it exists.
-DEMO_POLICIES = ("round-robin", "random")
+DEMO_POLICIES = ("round-robin", "random", "default")
 
 DEMO_PODS = 4
 # 16 system prompts of 1,024 tokens, 8 questions each: 128 requests, at a rate that

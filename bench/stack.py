@@ -29,12 +29,25 @@ ROOT = Path(__file__).resolve().parent.parent
 ENVOY_YAML = ROOT / "manifests" / "envoy" / "envoy.yaml"
 # Lean mode: the response bypasses the EPP; Envoy's access log tells it requests ended.
 ENVOY_LEAN_YAML = ROOT / "manifests" / "envoy" / "envoy-lean.yaml"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (all held at once while chosen, so none repeats)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def envoy_binary() -> str:
@@ -180,22 +193,61 @@ def envoy_config(
     admin_port: int,
     failure_mode_allow: bool = False,
     lean: bool = False,
+    more_epp_ports: Sequence[int] = (),
+    fallback: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """manifests/envoy/envoy.yaml (envoy-lean.yaml if `lean`) with its ports changed
-    (and FailOpen if asked)."""
+    """manifests/envoy/envoy.yaml (envoy-lean.yaml if `lean`) with its ports changed.
+
+    `more_epp_ports`: more EPP replicas in the `epp` cluster, which Envoy balances
+    round robin, one ext_proc stream (one request) at a time (active-active).
+
+    `failure_mode_allow` (FailOpen): Envoy 1.40 ignores it while the request body
+    mode is FULL_DUPLEX_STREAMED (a dead EPP still fails the request with a 500),
+    so the request body goes BUFFERED (which the EPP reads as well). And without an
+    EPP answer there is no `x-gateway-destination-endpoint`, for which the
+    ORIGINAL_DST cluster has no host (503): `fallback` (the pool's ip:port) adds
+    the route a request takes then, round robin over the pool, and has Envoy drop
+    a client-sent destination header on arrival, so a client cannot pick its own
+    upstream while the EPP is away."""
     config: dict[str, Any] = yaml.safe_load((ENVOY_LEAN_YAML if lean else ENVOY_YAML).read_text())
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     (listener,) = config["static_resources"]["listeners"]
     listener["address"]["socket_address"]["address"] = "127.0.0.1"
     listener["address"]["socket_address"]["port_value"] = listen_port
-    ext_proc = next(
-        f for f in _hcm(listener)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
-    )
+    hcm = _hcm(listener)
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
     ext_proc["typed_config"]["failure_mode_allow"] = failure_mode_allow
+    if failure_mode_allow:
+        ext_proc["typed_config"]["processing_mode"]["request_body_mode"] = "BUFFERED"
     epp = next(c for c in config["static_resources"]["clusters"] if c["name"] == "epp")
     (endpoint,) = epp["load_assignment"]["endpoints"][0]["lb_endpoints"]
     endpoint["endpoint"]["address"]["socket_address"]["port_value"] = epp_port
+    for port in more_epp_ports:
+        replica = copy.deepcopy(endpoint)
+        replica["endpoint"]["address"]["socket_address"]["port_value"] = port
+        epp["load_assignment"]["endpoints"][0]["lb_endpoints"].append(replica)
+    if fallback:
+        _add_fallback(config, hcm, fallback)
     return config
+
+
+FALLBACK_CLUSTER = "pool_fallback"
+
+
+def _add_fallback(config: dict[str, Any], hcm: dict[str, Any], pool: Sequence[str]) -> None:
+    route_config = hcm["route_config"]
+    routes = route_config["virtual_hosts"][0]["routes"]
+    (picked,) = routes
+    picked["match"]["headers"] = [{"name": DESTINATION_HEADER, "present_match": True}]
+    unpicked = copy.deepcopy(picked)
+    del unpicked["match"]["headers"]
+    unpicked["route"]["cluster"] = FALLBACK_CLUSTER
+    routes.append(unpicked)
+    # Removed from (external) requests before any filter runs and before the route
+    # is chosen: a filter that removed it later would leave the route Envoy had
+    # already chosen on the client's header (to ORIGINAL_DST, and no host: 503).
+    route_config["internal_only_headers"] = [DESTINATION_HEADER]
+    config["static_resources"]["clusters"].append(_static_cluster(FALLBACK_CLUSTER, pool))
 
 
 def add_epp_listener(config: dict[str, Any], name: str, port: int, epp_port: int) -> None:
@@ -324,6 +376,109 @@ def start_sim(
     if wait:
         process.wait_http_ok(f"http://{host}:{port}/health")
     return process
+
+
+@dataclass
+class Pod:
+    """One simulated pod of a `Pods` set: its name and fixed ports."""
+
+    name: str
+    port: int
+    kv_port: int
+    replay_port: int
+    process: ManagedProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        assert self.process.process is not None
+        return self.process.process.pid
+
+    def running(self) -> bool:
+        return (
+            self.process is not None
+            and self.process.process is not None
+            and self.process.process.poll() is None
+        )
+
+
+class Pods:
+    """Simulated pods `sim-0` .. `sim-<n-1>`, each its own `python -m sim serve`
+    process on fixed ports (HTTP, KV events, replay), so one can be killed, frozen
+    or started again on the same ports while the others run (`python -m sim fleet`
+    stops them all when one dies)."""
+
+    def __init__(self, workdir: Path, n: int, sim_args: Sequence[str] = ()) -> None:
+        self.workdir = workdir
+        self.sim_args = list(sim_args)
+        ports = free_ports(3 * n)
+        self.pods = {
+            f"sim-{i}": Pod(f"sim-{i}", ports[3 * i], ports[3 * i + 1], ports[3 * i + 2])
+            for i in range(n)
+        }
+        self.starts = 0  # pod processes started so far (each gets its own log)
+
+    def __getitem__(self, name: str) -> Pod:
+        return self.pods[name]
+
+    def start(self, *names: str, timeout_s: float = 60.0) -> None:
+        """Start the named pods (all by default), then wait until each is healthy."""
+        chosen = [self.pods[n] for n in names] if names else list(self.pods.values())
+        for pod in chosen:
+            self.starts += 1
+            argv = [
+                "--kv-events-port", str(pod.kv_port), "--replay-port", str(pod.replay_port),
+                *self.sim_args,
+            ]  # fmt: skip
+            pod.process = start_sim(
+                pod.port, self.workdir / "sims" / str(self.starts), pod.name, argv, wait=False
+            )
+        for pod in chosen:
+            assert pod.process is not None
+            pod.process.wait_http_ok(f"http://{pod.address}/health", timeout_s)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: the process dies at once, and its sockets with it."""
+        pod = self.pods[name]
+        assert pod.process is not None
+        assert pod.process.process is not None
+        pod.process.process.kill()
+        pod.process.process.wait()
+
+    def freeze(self, name: str) -> None:
+        """SIGSTOP: the kernel still accepts connections; nothing ever answers."""
+        os.kill(self.pods[name].pid, signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        os.kill(self.pods[name].pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        for pod in self.pods.values():
+            if pod.running():
+                os.kill(pod.pid, signal.SIGCONT)  # a frozen process cannot stop
+            if pod.process is not None:
+                pod.process.stop()
+
+    def endpoints_file(self, path: Path) -> Path:
+        """The endpoints file (DESIGN §3.1) naming every pod and its KV-event sockets."""
+        document = {
+            "endpoints": [
+                {
+                    "name": pod.name,
+                    "address": pod.address,
+                    "kvEvents": f"tcp://127.0.0.1:{pod.kv_port}",
+                    "kvEventsReplay": f"tcp://127.0.0.1:{pod.replay_port}",
+                }
+                for pod in self.pods.values()
+            ]
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
+        return path
 
 
 def start_sim_fleet(

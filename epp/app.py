@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
-from epp import accesslog
+from epp import accesslog, tls
 from epp.accesslog import AccessLogService
 from epp.admin import AdminServer
 from epp.completion import DEFAULT_TIMEOUT_S, CompletionTracker
@@ -92,6 +92,14 @@ class ServeOptions:
     # A replaced config's background tasks stop when its last request ends, or
     # after this long.
     config_drain_timeout_s: float = 600.0
+    # TLS on the ext_proc port (epp/tls.py): a certificate directory, or a
+    # self-signed certificate made at start-up; optionally reloaded when renewed.
+    secure_serving: bool = False
+    cert_path: str | None = None
+    enable_cert_reload: bool = False
+    # ext_proc streams open at once; past it a new request is answered 503 at once
+    # (0: no limit).
+    max_concurrent_streams: int = 0
 
 
 class StartupError(Exception):
@@ -118,6 +126,12 @@ class EppApp:
         try:
             source = self._endpoint_source()
         except (InvalidEndpointsFile, KubeConfigError, ValueError) as exc:
+            problems.append(str(exc))
+        self.tls: tls.CertificatePair | None = None
+        self.cert_reloader: tls.ReloadingCertificate | None = None
+        try:
+            self._load_tls()
+        except tls.TlsError as exc:
             problems.append(str(exc))
         if problems or built is None or source is None:
             raise StartupError("\n".join(problems))
@@ -161,6 +175,24 @@ class EppApp:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self.ports: dict[str, int] = {}
+
+    def _load_tls(self) -> None:
+        o = self.options
+        if not o.secure_serving:
+            return
+        if o.cert_path:
+            self.tls = tls.load_pair(o.cert_path)
+            if o.enable_cert_reload:
+                self.cert_reloader = tls.ReloadingCertificate(o.cert_path, self.tls)
+        else:
+            self.tls = tls.self_signed()
+
+    def _grpc_credentials(self) -> grpc.ServerCredentials | None:
+        if self.cert_reloader is not None:
+            return self.cert_reloader.server_credentials()
+        if self.tls is not None:
+            return self.tls.server_credentials()
+        return None
 
     def _endpoint_source(self) -> EndpointSource:
         o = self.options
@@ -261,18 +293,20 @@ class EppApp:
             ("grpc.so_reuseport", 0),
         ]
         self.grpc_server = grpc.aio.server(options=grpc_options)
-        add_to_server(
-            self.grpc_server,
-            ExternalProcessor(
-                self.director,
-                StreamSettings(max_body_bytes=o.max_body_bytes, log_prompts=o.log_prompts),
-                self.telemetry,
-                self.tracker,
-            ),
+        self.processor = ExternalProcessor(
+            self.director,
+            StreamSettings(max_body_bytes=o.max_body_bytes, log_prompts=o.log_prompts),
+            self.telemetry,
+            self.tracker,
+            max_streams=o.max_concurrent_streams,
         )
-        # Lean mode's access log comes to the same port: Envoy's `epp` cluster serves both.
+        add_to_server(self.grpc_server, self.processor)
+        # Lean mode's access log comes to the same port: Envoy's `epp` cluster serves
+        # both, over TLS too when it is on.
         accesslog.add_to_server(self.grpc_server, self.access_log)
-        self.ports["grpc"] = _listen(self.grpc_server, o.bind, o.grpc_port)
+        self.ports["grpc"] = _listen(
+            self.grpc_server, o.bind, o.grpc_port, self._grpc_credentials()
+        )
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
         self.ports["health"] = _listen(self.health_server, o.bind, o.grpc_health_port)
@@ -288,7 +322,8 @@ class EppApp:
         self._started = True
         await self._update_health()
         log.info(
-            "serving: ext_proc on :%d, gRPC health on :%d, admin HTTP on :%d; %d endpoints",
+            "serving: ext_proc (%s) on :%d, gRPC health on :%d, admin HTTP on :%d; %d endpoints",
+            "plaintext" if self.tls is None else f"TLS, certificate {self.tls.source}",
             self.ports["grpc"],
             self.ports["health"],
             self.ports["metrics"],
@@ -329,10 +364,19 @@ class EppApp:
             await self.stop()
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind `server`; the bound port. gRPC reports a failed bind as a RuntimeError
-    without saying why: say what could not be bound, as an OSError like aiohttp's."""
+def _listen(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Bind `server` (with TLS when `credentials` are given); the bound port. gRPC
+    reports a failed bind as a RuntimeError without saying why: say what could not
+    be bound, as an OSError like aiohttp's."""
+    address = f"{host}:{port}"
     try:
-        return int(server.add_insecure_port(f"{host}:{port}"))
+        if credentials is not None:
+            return int(server.add_secure_port(address, credentials))
+        return int(server.add_insecure_port(address))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {host}:{port} (is the port in use?): {exc}") from None

@@ -92,12 +92,14 @@ def _token_bytes(ids: Sequence[int]) -> bytes:
 class PromptBlocks:
     """A prompt's chained block hashes, computed on demand."""
 
-    __slots__ = ("_data", "_hashes", "_seed", "_step", "total")
+    __slots__ = ("_data", "_hashes", "_seed", "_step", "total", "uncapped")
 
     def __init__(self, data: str | Sequence[int], step: int, seed: int, max_blocks: int) -> None:
         """`step`: characters (text) or ids (token ids) per block; `max_blocks` 0:
-        no limit."""
+        no limit. `total` blocks are hashed and matched, of the prompt's
+        `uncapped`."""
         blocks = math.ceil(len(data) / step) if data else 0
+        self.uncapped = blocks
         self.total = min(blocks, max_blocks) if max_blocks > 0 else blocks
         self._data = data
         self._step = step
@@ -126,8 +128,21 @@ class PromptBlocks:
 
 
 def chain_seed(model: str, cache_salt: str | None) -> int:
-    """Where a request's hash chain starts: its model and salt go into block 0."""
-    return _hash(f"{model}{_UNIT}{cache_salt or ''}".encode("utf-8", "surrogatepass"))
+    """Where a request's hash chain starts: its model and salt go into block 0.
+
+    Both are length-prefixed, so no choice of model name can produce another
+    (model, salt) pair's seed: a separator alone could be forged by a model name
+    that contains it (JSON strings may carry any control character), letting a
+    request for model "m<sep>A" score the blocks of tenant A's salt. An empty salt
+    is no salt, as in vLLM."""
+    model_bytes = model.encode("utf-8", "surrogatepass")
+    salt_bytes = (cache_salt or "").encode("utf-8", "surrogatepass")
+    return _hash(
+        len(model_bytes).to_bytes(8, "big")
+        + model_bytes
+        + len(salt_bytes).to_bytes(8, "big")
+        + salt_bytes
+    )
 
 
 def prompt_blocks(

@@ -42,6 +42,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def _bool(text: str) -> bool:
+    """A Go-style boolean flag value (GIE's flags are Go flags: --secure-serving=false)."""
+    value = text.strip().lower()
+    if value in ("1", "t", "true", "yes", "on"):
+        return True
+    if value in ("0", "f", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default, unless there is none worth showing."""
 
@@ -232,6 +249,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="admin HTTP port: /metrics, /healthz, /readyz",
     )
     net.add_argument(
+        "--secure-serving",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BOOL",
+        help="serve ext_proc (and lean mode's access log) over TLS; `--secure-serving` alone"
+        " means true. GIE's EPP defaults to true; this one to false, since the Envoy configs"
+        " it ships talk plaintext to it. The gRPC health and admin ports stay plaintext"
+        " (docs/security.md)",
+    )
+    net.add_argument(
+        "--cert-path",
+        metavar="DIR",
+        help="with --secure-serving: the directory holding tls.crt and tls.key (PEM, a"
+        " kubernetes.io/tls Secret's layout); without it a self-signed certificate is made"
+        " at start-up",
+    )
+    net.add_argument(
+        "--enable-cert-reload",
+        action="store_true",
+        help="with --cert-path: a renewed tls.crt/tls.key serves new connections without a"
+        " restart (an invalid pair is logged and the previous one kept)",
+    )
+    net.add_argument(
         "--shutdown-grace",
         type=_duration_or_zero,
         default="5s",
@@ -244,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are refused with 413",
+    )
+    req.add_argument(
+        "--max-concurrent-streams",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="ext_proc streams (requests in the EPP's hands, response included) served at"
+        " once; a request beyond it is answered 503 at once, whatever Envoy's"
+        " failure_mode_allow (0: no limit)",
     )
     req.add_argument(
         "--lean-completion-timeout",
@@ -345,6 +396,15 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         )
     elif kube is not None:
         problems.extend(kube.check())
+    if args.cert_path and not args.secure_serving:
+        problems.append(
+            "--cert-path is only read with --secure-serving (this EPP serves plaintext"
+            " unless told, unlike GIE's): add --secure-serving"
+        )
+    if args.enable_cert_reload and not args.cert_path:
+        problems.append(
+            "--enable-cert-reload needs --cert-path (a self-signed certificate is never renewed)"
+        )
     if problems:
         raise UsageError("\n".join(problems))
     return ServeOptions(
@@ -366,6 +426,10 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         config_reload_interval_s=args.config_reload_interval,
         config_drain_timeout_s=args.config_drain_timeout,
         shutdown_grace_s=args.shutdown_grace,
+        secure_serving=args.secure_serving,
+        cert_path=args.cert_path,
+        enable_cert_reload=args.enable_cert_reload,
+        max_concurrent_streams=args.max_concurrent_streams,
     )
 
 

@@ -80,15 +80,30 @@ DEFAULT_PROFILE_HANDLER: Final = "single-profile-handler"
 DEFAULT_METRICS_SOURCE: Final = "metrics-data-source"
 DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
-# Used when no config file is given.
+# Used when no config file is given; manifests/config/default.yaml is the same
+# config, commented. Approximate prefix affinity balanced against load, weights
+# chosen by measurement (docs/default-profile.md): it needs nothing from the
+# engines but their /metrics.
 DEFAULT_CONFIG: Final = f"""\
 apiVersion: {API_VERSIONS[0]}
 kind: {KIND}
 plugins:
+- type: active-request-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: queue-scorer
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
 - name: default
   plugins:
+  - pluginRef: active-request-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: prefix-cache-scorer
+    weight: 2
+  - pluginRef: queue-scorer
+    weight: 1
   - pluginRef: {DEFAULT_PICKER}
 """
 
@@ -798,6 +813,13 @@ def load_config(
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         raise InvalidConfig(source, [ConfigError((), f"not valid YAML: {exc}", line)]) from None
+    except RecursionError:
+        # PyYAML composes recursively: a document nested thousands deep exhausts the
+        # stack. It is bad input like any other, not a crash of `epp validate`, of the
+        # start, or of the reloader.
+        raise InvalidConfig(
+            source, [ConfigError((), "not valid YAML: nested too deeply")]
+        ) from None
     loader = _Loader(
         document if document is not None else {},
         registry,

@@ -50,9 +50,13 @@ class EndpointMetrics:
 
     `updated_at` is `time.monotonic()` of the last scrape that produced these values
     (0.0: never scraped). A snapshot older than `staleness_s` is stale: plugins must
-    not trust its values (they score it neutrally). A fact the page did not carry,
-    or carried as NaN, infinity or a negative number, is in `missing` with the reason,
-    and its field holds the default, which is not a fact either."""
+    not trust its values (they score it neutrally). So is one whose latest scrape
+    found the server `unreachable` (connection refused, no route): nothing listens
+    there any more, so the last good values, however recent, describe a pod that is
+    gone, and waiting for them to age would send it requests that cannot succeed.
+    A fact the page did not carry, or carried as NaN, infinity or a negative number,
+    is in `missing` with the reason, and its field holds the default, which is not a
+    fact either."""
 
     waiting_requests: int = 0
     running_requests: int = 0
@@ -72,6 +76,8 @@ class EndpointMetrics:
     # Why the latest scrape failed (timeout, HTTP error, unusable page), while the
     # values above are still those of the last good one; None after a good scrape.
     error: str | None = None
+    # The latest scrape was refused (or had no route): stale now, whatever the age.
+    unreachable: bool = False
 
     def age(self, now: float | None = None) -> float:
         if self.updated_at == 0.0:
@@ -79,7 +85,7 @@ class EndpointMetrics:
         return (time.monotonic() if now is None else now) - self.updated_at
 
     def stale(self, now: float | None = None) -> bool:
-        return self.age(now) > self.staleness_s
+        return self.unreachable or self.age(now) > self.staleness_s
 
     def known(self, fact: str, now: float | None = None) -> bool:
         """Whether `fact` (WAITING, ...) may be trusted: the snapshot is fresh and the

@@ -28,6 +28,7 @@ from epp.datastore import Datastore, Endpoint
 from epp.errors import EppError, NoCapacity, Shed, Unavailable
 from epp.requests import InferenceRequest, rewrite_model
 from epp.scheduling.types import (
+    EXPLAIN_NOTES,
     PRIORITY,
     CycleState,
     ProfileResult,
@@ -301,6 +302,9 @@ class Director:
         out = _explain_profile(primary)
         out["priority"] = cycle.get(PRIORITY)
         out.update(admission)
+        # What plugins said about their part (e.g. only the first blocks of a long
+        # prompt were matched).
+        out["notes"] = cycle.get(EXPLAIN_NOTES) or {}
         if shed is not None:
             out["error"] = shed
             out["picked"] = []

@@ -65,6 +65,15 @@ class Unavailable(EppError):
     outcome = "unavailable"
 
 
+class Overloaded(EppError):
+    """The EPP is at its limit of concurrent streams (--max-concurrent-streams): the
+    request is refused at once (503), before its body is read."""
+
+    status = 503
+    error_type = "service_unavailable"
+    outcome = "overloaded"
+
+
 class InternalError(EppError):
     status = 500
     error_type = "internal_error"

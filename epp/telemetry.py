@@ -84,6 +84,12 @@ class Telemetry:
             ["reason"],
             registry=r,
         )
+        self.extproc_streams = Gauge(
+            "epp_extproc_active_streams",
+            "ext_proc streams open now (one per request in the EPP's hands); at"
+            " --max-concurrent-streams new requests are answered 503.",
+            registry=r,
+        )
         self.lean_ends = Counter(
             "epp_lean_request_ends",
             "Lean mode (the response bypasses the EPP): how routed requests were ended."

@@ -7,8 +7,10 @@ One plugin, three extension points (llm-d's precise prefix-cache scorer):
   (chat template, tokenizer; off the event loop when long), then walk its blocks
   over the index, hashing each block with the engine's own algorithm only as far
   as some candidate still holds the prefix;
-- **Scorer**: matched consecutive prefix blocks / the prompt's full blocks,
-  weighted by medium (GPU 1.0, CPU 0.8 by default), in [0, 1]. A pod whose KV
+- **Scorer**: matched consecutive prefix blocks / the prompt's full blocks (at
+  most `maxPrefixBlocksToMatch`: only a long prompt's first blocks count, as
+  /debug/explain's `notes` say), weighted by medium (GPU 1.0, CPU 0.8 by
+  default), in [0, 1]. A pod whose KV
   events failed the alignment self-check scores 0 (not trusted), as do pods
   without KV events, and every pod when the prompt cannot be hashed (no tokenizer,
   images, a LoRA adapter whose path is unknown under vLLM >= 0.31);
@@ -48,6 +50,7 @@ from epp.scheduling import (
     PluginContext,
     SchedulingResult,
     StateKey,
+    explain_note,
 )
 from epp.sources.kv_events import KVEventSubscriber, SubscriberSettings
 from epp.tokenization.models import LoraAdapter, TokenizerRegistry, TokenizerSource
@@ -123,6 +126,12 @@ class PrecisePrefixParameters(msgspec.Struct, forbid_unknown_fields=True, rename
     tokenizer_workers: _Positive = 2
     # Recent blocks whose hash is remembered (a repeated prefix costs a lookup).
     hash_cache_blocks: _Positive = 50_000
+    # Only a prompt's first blocks are hashed and matched (GIE's names): bounds the
+    # work a very long prompt costs at pick time. 8192 blocks of 16 tokens are
+    # 131,072 tokens. maxPrefixTokensToMatch, when set, wins (as tokens // blockSize
+    # blocks, at least one). 0: no cap.
+    max_prefix_blocks_to_match: Annotated[int, msgspec.Meta(ge=0)] = 8192
+    max_prefix_tokens_to_match: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 _PREPARED: StateKey[_Prepared] = StateKey("precise-prefix-cache-scorer")
@@ -230,6 +239,10 @@ class PrecisePrefixCacheScorer:
                 " prefix score",
                 self.name,
             )
+        if params.max_prefix_tokens_to_match > 0:
+            self.max_blocks = max(1, params.max_prefix_tokens_to_match // params.block_size)
+        else:
+            self.max_blocks = params.max_prefix_blocks_to_match
         self.stats = LookupStats()
         self._log_once = LogOnce(log)
         # Started by the server once the whole configuration is valid; never here.
@@ -320,6 +333,24 @@ class PrecisePrefixCacheScorer:
                 slots[endpoint] = owned
                 for slot in owned:
                     candidates |= 1 << slot
+        block_bytes = self.hasher.block_bytes
+        prompt_blocks = len(data) // block_bytes
+        considered = prompt_blocks
+        if self.max_blocks and prompt_blocks > self.max_blocks:
+            # Only the first blocks count, for the match and for the score's
+            # denominator alike: a pod holding all of them scores 1.
+            considered = self.max_blocks
+            data = data[: considered * block_bytes]
+        explain_note(
+            cycle,
+            self.name,
+            {
+                "promptBlocks": prompt_blocks,
+                "consideredBlocks": considered,
+                "truncated": considered < prompt_blocks,
+                "maxPrefixBlocksToMatch": self.max_blocks,
+            },
+        )
         blocks = self.hasher.prompt(data, context)
         match = longest_prefix(precise.index, blocks, candidates, self.speculative)
         stats = self.stats

@@ -21,7 +21,8 @@ Parameters (GIE's names and defaults):
   the usual average for English text), token-id prompts every `blockSizeTokens` ids.
 - `maxPrefixBlocksToMatch` (256; 0: no cap) and `maxPrefixTokensToMatch` (0: unused;
   when set it wins, as `tokens // blockSizeTokens` blocks): how much of a prompt is
-  hashed and matched.
+  hashed and matched. /debug/explain's `notes.<plugin>` says how many blocks a
+  prompt had and how many were considered.
 - `lruCapacityPerServer` (31250): blocks remembered per endpoint, the least recently
   used forgotten first. The index's memory bound: one entry per (endpoint, block).
 - `autoTune` (true): use the pool's own KV block size (`vllm:cache_config_info`,
@@ -52,7 +53,14 @@ from epp.approxindex import DEFAULT_CHARS_PER_TOKEN, ApproxPrefixIndex, PromptBl
 from epp.datastore import CACHE_INFO, Endpoint
 from epp.promutil import shared
 from epp.requests import InferenceRequest
-from epp.scheduling import METRICS, CycleState, PluginContext, SchedulingResult, StateKey
+from epp.scheduling import (
+    METRICS,
+    CycleState,
+    PluginContext,
+    SchedulingResult,
+    StateKey,
+    explain_note,
+)
 
 _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -148,6 +156,18 @@ class PrefixCacheScorer:
             max_blocks = 1  # a cap below one block still hashes the first one
         blocks = prompt_blocks(request, block_size, self.chars_per_token, max_blocks)
         matched = self.index.match(blocks, endpoints) if blocks is not None else {}
+        if blocks is not None:
+            explain_note(
+                cycle,
+                self.name,
+                {
+                    "promptBlocks": blocks.uncapped,
+                    "consideredBlocks": blocks.total,
+                    "truncated": blocks.total < blocks.uncapped,
+                    "maxPrefixBlocksToMatch": max_blocks,
+                    "blockSizeTokens": block_size,
+                },
+            )
         lookup = _Lookup(blocks, matched)
         cycle.put(self._state, lookup)
         return lookup

@@ -1,7 +1,8 @@
 """`stale-metrics-filter`: drops endpoints that are not ready or whose model-server
 metrics are stale (not scraped successfully within the staleness threshold), so a
 pod that stopped answering its /metrics (overloaded, hung, restarting) is not
-chosen on numbers from before.
+chosen on numbers from before; one whose server refuses connections (killed,
+restarting) is dropped at the next scrape, without waiting for the threshold.
 
 Parameters:
 - `metricsStalenessThreshold` (duration, optional): the age past which metrics are
@@ -45,7 +46,7 @@ class StaleMetricsFilter:
         metrics = endpoint.metrics
         if self.threshold_s is None:
             return not metrics.stale(now)
-        return metrics.age(now) <= self.threshold_s
+        return not metrics.unreachable and metrics.age(now) <= self.threshold_s
 
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]

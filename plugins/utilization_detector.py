@@ -54,7 +54,7 @@ class UtilizationDetector:
     def load(self, endpoint: Endpoint, now: float) -> float:
         """The endpoint's load, 1.0 = at its thresholds; 1.0 when unknown."""
         metrics = endpoint.metrics
-        if metrics.age(now) > self.staleness_s:
+        if metrics.unreachable or metrics.age(now) > self.staleness_s:
             return 1.0
         ratios = []
         if WAITING not in metrics.missing:
@@ -78,7 +78,7 @@ class UtilizationDetector:
         kept = []
         for e in endpoints:
             metrics = e.metrics
-            if metrics.age(now) > self.staleness_s:
+            if metrics.unreachable or metrics.age(now) > self.staleness_s:
                 continue
             if WAITING in metrics.missing and KV_CACHE_USAGE in metrics.missing:
                 continue  # nothing known about its load

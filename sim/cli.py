@@ -116,6 +116,13 @@ def add_pod_options(parser: argparse.ArgumentParser) -> None:
     events.add_argument(
         "--replay-buffer-steps", type=int, default=10_000, help="event batches kept for replay"
     )
+    events.add_argument(
+        "--kv-events-hwm",
+        type=int,
+        default=100_000,
+        help="PUB high-water mark (vLLM's hwm): messages beyond it are dropped for a slow"
+        " subscriber",
+    )
 
     knobs = parser.add_argument_group("test knobs")
     knobs.add_argument(
@@ -175,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         int_block_hashes=not args.kv_events_bytes_hashes,
         replay_layout=args.replay_layout,
         replay_buffer_steps=args.replay_buffer_steps,
+        kv_events_hwm=args.kv_events_hwm,
         metrics_delay_s=args.metrics_delay,
     )
 

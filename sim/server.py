@@ -27,8 +27,8 @@ Fault knobs and introspection for tests (not in vLLM):
   `fromReplay`);
 - `POST /sim/metrics-delay` `{"seconds": s}`: `/metrics` answers s wall seconds late;
 - `GET /sim/state`: the engine's true state as JSON (cached block hashes as uint64 =
-  the digests' last 8 bytes, the default KV-event form; free/used blocks; KV-event
-  seq; counters).
+  the digests' last 8 bytes, the default KV-event form, and their XOR; free/used
+  blocks; KV-event seq; counters).
 
 Every response carries `x-sim-pod: <name>`, so tests and benchmarks can see which pod
 served a request.
@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import operator
 import time
 import uuid
 from collections.abc import Callable
@@ -91,6 +93,9 @@ class SimConfig:
     int_block_hashes: bool = True
     replay_layout: ReplayLayout = "current"
     replay_buffer_steps: int = 10_000
+    # The PUB socket's high-water mark (vLLM's KVEventsConfig.hwm): messages queued
+    # for one slow subscriber beyond it are dropped, and it sees a seq gap.
+    kv_events_hwm: int = 100_000
     # Wall seconds /metrics waits before answering (a slow scrape target).
     metrics_delay_s: float = 0.0
 
@@ -120,6 +125,7 @@ class SimPod:
                     ),
                     topic=config.kv_events_topic,
                     buffer_steps=config.replay_buffer_steps,
+                    hwm=config.kv_events_hwm,
                     replay_layout=config.replay_layout,
                 ),
                 EventBatchEncoder(config.kv_events_format, config.int_block_hashes),
@@ -361,6 +367,7 @@ class SimPod:
         engine, pool = self.engine, self.engine.kv.pool
         publisher = self.publisher
         stats = engine.stats
+        cached = sorted(to_event_hash(h) for h in pool.cached_hashes())
         return {
             "name": self.config.name,
             "model": self.config.model,
@@ -378,7 +385,9 @@ class SimPod:
                 "cached": pool.num_cached_blocks,
             },
             "kvCacheUsage": pool.usage(),
-            "cachedBlockHashes": sorted(to_event_hash(h) for h in pool.cached_hashes()),
+            "cachedBlockHashes": cached,
+            # Their XOR (16 hex digits), as the EPP's /debug/endpoints `index.digest`.
+            "cachedBlocksDigest": f"{functools.reduce(operator.xor, cached, 0):016x}",
             "requests": {"waiting": len(engine.waiting), "running": len(engine.running)},
             "kvEvents": None
             if publisher is None

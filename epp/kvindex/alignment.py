@@ -23,7 +23,7 @@ tries the other algorithms, seeds and formats to name the likely cause.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -36,6 +36,7 @@ from epp.kvindex.hashing import (
     ExtraKeysFormat,
     HashContext,
     key_of,
+    token_bytes,
 )
 from epp.sources.kv_wire import BlockStored
 
@@ -96,6 +97,12 @@ class AlignmentChecker:
         if len(tokens) != n * hasher.block_size:
             state.unverifiable += 1
             return None
+        if not _valid_token_ids(tokens):
+            # The wire format only promises a list: ids that are not uint32 cannot
+            # be hashed as the engine hashes them (and some values cannot be
+            # serialised at all), so the event is unverifiable, never a crash.
+            state.unverifiable += 1
+            return None
         state.events_seen += 1
         warming = state.checked_blocks < self.warmup_blocks
         if not warming and state.events_seen % self.sample_every:
@@ -149,7 +156,9 @@ class AlignmentChecker:
             if index == 0:
                 if published is None:
                     return None  # engines before vLLM 0.17 do not say if block 0 is salted
-                values = list(item) if isinstance(item, list | tuple) else []
+                if item is not None and not isinstance(item, list | tuple):
+                    return None  # a malformed event: not ours to rebuild
+                values = list(item) if item is not None else []
                 if values[: len(expected)] != expected or not all(
                     isinstance(v, str) for v in values
                 ):
@@ -158,8 +167,10 @@ class AlignmentChecker:
                 if len(rest) > 1:
                     return None
                 salt = rest[0] if rest else None
-            elif item is not None and list(item) != expected:
-                return None
+            elif item is not None and (
+                not isinstance(item, list | tuple) or list(item) != expected
+            ):
+                return None  # not a list of keys (a malformed event): not ours to rebuild
             out.append(
                 HashContext(cache_salt=salt, lora_name=lora, lora_path=path).extra_keys(index, fmt)
             )
@@ -212,6 +223,16 @@ class AlignmentChecker:
             " vLLM < 0.29 without PYTHONHASHSEED? a different extra-keys layout?);"
             f" the scorer is configured with {current.describe()}"
         )
+
+
+def _valid_token_ids(tokens: Sequence[object]) -> bool:
+    """Every id an int in the uint32 range, as engines emit them (checked in C). The
+    wire decoder only checked that `token_ids` is a list."""
+    try:
+        token_bytes(tokens)  # type: ignore[arg-type]
+    except (OverflowError, TypeError):
+        return False
+    return True
 
 
 def _fmt(fmt: str) -> ExtraKeysFormat:

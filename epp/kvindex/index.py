@@ -19,6 +19,11 @@ Layout, chosen for speed and memory in CPython:
   ask about live slots, so the retired bits are invisible at once; `sweep` removes
   them from the maps later, in slices, off the pick path, and then frees the slot
   for reuse;
+- each slot keeps, per tier, the XOR of the keys it holds (updated with every entry
+  added or removed, so reading it is O(1)): a fingerprint of its block set. Equal
+  fingerprints mean, but for a 2^-64 chance, equal sets, so a test or an operator
+  can check the index against the engine's own block table, or two replicas'
+  indexes against each other, without listing millions of keys;
 - the bound is on (block, slot) entries. Past it the oldest blocks go, a batch at a
   time; a block moves to the young end whenever a stream stores it again, so the
   eviction is least-recently-stored first. Engines report their own evictions
@@ -82,6 +87,8 @@ class PrefixIndex:
         self.stats = IndexStats()
         # Per slot: live entries per tier name.
         self._counts: dict[int, dict[str, int]] = {}
+        # Per slot: the XOR of the keys it holds, per tier name.
+        self._digests: dict[int, dict[str, int]] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._dead_mask = 0  # retired slots whose bits may still be in the maps
@@ -92,6 +99,7 @@ class PrefixIndex:
     def new_slot(self) -> int:
         slot = self._free_slots.pop() if self._free_slots else self._take_slot()
         self._counts[slot] = {t.name: 0 for t in self.tiers}
+        self._digests[slot] = {t.name: 0 for t in self.tiers}
         return slot
 
     def _take_slot(self) -> int:
@@ -104,12 +112,17 @@ class PrefixIndex:
         counts = self._counts.pop(slot, None)
         if counts is None:
             return
+        del self._digests[slot]
         self.stats.entries -= sum(counts.values())
         self._dead_mask |= 1 << slot
 
     def slot_blocks(self, slot: int) -> dict[str, int]:
         """Live entries of `slot` per tier name."""
         return dict(self._counts.get(slot, {}))
+
+    def slot_digest(self, slot: int) -> dict[str, int]:
+        """The XOR of the keys `slot` holds, per tier name (0: none)."""
+        return dict(self._digests.get(slot, {}))
 
     def is_live(self, slot: int) -> bool:
         return slot in self._counts
@@ -145,6 +158,7 @@ class PrefixIndex:
         bit = 1 << slot
         blocks = tier.blocks
         added = 0
+        digest = 0
         intern = self._intern
         for key in keys:
             old = blocks.pop(key, 0)
@@ -153,8 +167,10 @@ class PrefixIndex:
                 continue
             blocks[key] = intern(old | bit)
             added += 1
+            digest ^= key
         if added:
             counts[tier.name] += added
+            self._digests[slot][tier.name] ^= digest
             self.stats.entries += added
             if self.stats.entries > self.max_entries:
                 self._evict()
@@ -168,6 +184,7 @@ class PrefixIndex:
         bit = 1 << slot
         blocks = tier.blocks
         removed = 0
+        digest = 0
         for key in keys:
             old = blocks.get(key, 0)
             if not old & bit:
@@ -178,8 +195,10 @@ class PrefixIndex:
             else:
                 del blocks[key]
             removed += 1
+            digest ^= key
         if removed:
             counts[tier.name] -= removed
+            self._digests[slot][tier.name] ^= digest
             self.stats.entries -= removed
         return removed
 
@@ -188,6 +207,7 @@ class PrefixIndex:
         target = self.max_entries - max(1, self.max_entries // _EVICT_FRACTION)
         live = ~self._dead_mask
         counts = self._counts
+        digests = self._digests
         self.stats.evictions += 1
         # Take from every tier in proportion to its size, oldest first.
         while self.stats.entries > target:
@@ -202,6 +222,7 @@ class PrefixIndex:
                     mask = tier.blocks.pop(key) & live
                     for slot in bits(mask):
                         counts[slot][tier.name] -= 1
+                        digests[slot][tier.name] ^= key
                         self.stats.entries -= 1
                         self.stats.evicted_entries += 1
                     progressed = True

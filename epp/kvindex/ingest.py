@@ -120,7 +120,7 @@ class StreamIndex:
                 if (
                     checker is not None
                     and self.alignment.aligned is not False
-                    and checker.check(self.alignment, event) is False
+                    and self._check(checker, event) is False
                 ):
                     self.owner.misaligned(self)
                 index.store(self.slot, tier, event.block_hashes)
@@ -139,6 +139,25 @@ class StreamIndex:
                 assert isinstance(event, AllBlocksCleared)
                 self.clear("all_blocks_cleared")
             counters.events_applied += 1
+
+    def _check(self, checker: AlignmentChecker, event: BlockStored) -> bool | None:
+        """The alignment check of one event. It is a safeguard, not part of the
+        ingestion: should it fail on some unforeseen input, the event is still
+        applied (the rest of the batch too) and the failure logged once."""
+        try:
+            return checker.check(self.alignment, event)
+        except Exception as exc:
+            self.alignment.unverifiable += 1
+            self.owner.log_once(
+                (self.endpoint.name, "alignment-error", type(exc).__name__),
+                logging.ERROR,
+                "KV events from %s: the alignment check failed on an event (%s: %s);"
+                " the event is applied unchecked",
+                self.label,
+                type(exc).__name__,
+                exc,
+            )
+            return None
 
     def _wanted(self, group: int | None, locality: str | None) -> bool:
         if group:
@@ -259,12 +278,19 @@ class PreciseIndex:
         """The index part of the endpoint's /debug/endpoints entry."""
         streams = self._streams.get(endpoint, [])
         by_medium: Counter[str] = Counter()
+        digests: dict[str, int] = {}
         for stream in streams:
             by_medium.update(self.index.slot_blocks(stream.slot))
+            for medium, digest in self.index.slot_digest(stream.slot).items():
+                digests[medium] = digests.get(medium, 0) ^ digest
         aligned = [s.alignment.aligned for s in streams]
         return {
             "blocks": sum(by_medium.values()),
             "blocksByMedium": {k: v for k, v in by_medium.items() if v},
+            # XOR of the block hashes held, per medium (16 hex digits): the engine's
+            # cached blocks XORed the same way give the same value when the index is
+            # in step with it, and so do two replicas that agree.
+            "digest": {k: f"{digests.get(k, 0):016x}" for k, v in by_medium.items() if v},
             "eventsApplied": sum(s.counters.events_applied for s in streams),
             "aligned": None
             if all(a is None for a in aligned)

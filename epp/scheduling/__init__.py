@@ -25,6 +25,7 @@ from epp.scheduling.interfaces import (
     ServerSettings,
 )
 from epp.scheduling.types import (
+    EXPLAIN_NOTES,
     PRIORITY,
     CycleState,
     ProfileResult,
@@ -33,9 +34,11 @@ from epp.scheduling.types import (
     ScoredEndpoint,
     StateKey,
     Usage,
+    explain_note,
 )
 
 __all__ = [
+    "EXPLAIN_NOTES",
     "METRICS",
     "PRIORITY",
     "Admitter",
@@ -64,4 +67,5 @@ __all__ = [
     "ServerSettings",
     "StateKey",
     "Usage",
+    "explain_note",
 ]

@@ -52,6 +52,23 @@ PRIORITY: StateKey[int] = StateKey("priority")
 0 without one. Negative priorities are sheddable."""
 
 
+EXPLAIN_NOTES: StateKey[dict[str, dict[str, Any]]] = StateKey("explain-notes")
+"""Facts a plugin wants /debug/explain to show about its part in a pick, by plugin
+name (see `explain_note`)."""
+
+
+def explain_note(cycle: CycleState, plugin: str, facts: Mapping[str, Any]) -> None:
+    """Leave `facts` (JSON values) for /debug/explain's `notes.<plugin>`: what the
+    plugin considered, e.g. that only the first blocks of a long prompt were matched.
+    Written on every pick (a dict per request); never request content, since
+    /debug/explain must not echo prompts."""
+    notes = cycle.get(EXPLAIN_NOTES)
+    if notes is None:
+        notes = {}
+        cycle.put(EXPLAIN_NOTES, notes)
+    notes[plugin] = dict(facts)
+
+
 @dataclass(frozen=True, slots=True)
 class ScoredEndpoint:
     endpoint: Endpoint

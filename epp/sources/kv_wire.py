@@ -107,7 +107,10 @@ def decode_batch(payload: bytes) -> EventBatch:
     """Decode one payload; raises `WireError` if it is not a batch at all."""
     try:
         raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        # msgspec reports a string that is not UTF-8 as a UnicodeDecodeError, not a
+        # DecodeError: it is bad input like the rest, and must not escape (the
+        # stream would restart, replay the same bytes and fail again).
         raise WireError(REJECT_BAD_PAYLOAD, f"not a msgpack document: {exc}") from None
     if isinstance(raw, list):
         if len(raw) < 2:

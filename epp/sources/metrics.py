@@ -30,10 +30,14 @@ loaded engine is the one that fills up first. For LoRA the latest series wins (i
 value is a timestamp), as in GIE.
 
 Bad input never crashes and never becomes a silently wrong number:
-- no answer within the timeout, a refused connection, a non-200 status, a page none
-  of the engine's metrics are on (an HTML error page, garbage, the wrong engine):
-  the scrape fails, the previous snapshot is kept with `error` set, and it turns
-  stale once older than the staleness threshold (--metrics-staleness-threshold, 2 s);
+- no answer within the timeout, a non-200 status, a page none of the engine's
+  metrics are on (an HTML error page, garbage, the wrong engine): the scrape fails,
+  the previous snapshot is kept with `error` set, and it turns stale once older
+  than the staleness threshold (--metrics-staleness-threshold, 2 s);
+- a refused connection (or no route to the host): the same, but stale at once
+  (`unreachable`): nothing listens there, so the pod cannot serve requests either
+  (a killed or restarting model server), and the 2 s of grace a slow answer gets
+  would only send it requests that fail;
 - a metric missing from the page, or NaN, infinite, negative (or a KV usage above
   1): that fact goes in the snapshot's `missing` with the reason, and plugins score
   it neutrally.
@@ -52,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import re
@@ -825,7 +830,9 @@ class MetricsScraper:
             self._failed(target, "timeout", f"no answer within {self.settings.timeout_s:g}s")
             return
         except (OSError, aiohttp.ClientError) as exc:
-            self._failed(target, "connect_error", f"{type(exc).__name__}: {exc}")
+            self._failed(
+                target, "connect_error", f"{type(exc).__name__}: {exc}", unreachable=_refused(exc)
+            )
             return
         except FetchError as exc:
             self._failed(target, "bad_page", str(exc))
@@ -862,21 +869,41 @@ class MetricsScraper:
         if self._targets.get(endpoint) is target and self.datastore.get(endpoint.name) is endpoint:
             self.datastore.set_metrics(endpoint.name, snapshot)
 
-    def _failed(self, target: _Target, result: str, message: str) -> None:
+    def _failed(
+        self, target: _Target, result: str, message: str, unreachable: bool = False
+    ) -> None:
         self._results[result].inc()
         endpoint = target.endpoint
         previous = endpoint.metrics
-        # Keep the last good values (and their time: they turn stale by age), and say
-        # what went wrong.
+        # Keep the last good values (and their time: they turn stale by age, or at
+        # once if the server is gone), and say what went wrong.
         self._store(
             target,
-            dataclasses.replace(previous, error=message, staleness_s=self.settings.staleness_s),
+            dataclasses.replace(
+                previous,
+                error=message,
+                staleness_s=self.settings.staleness_s,
+                unreachable=unreachable,
+            ),
         )
         if not target.failing or message != target.last_error:
             # Once per change of trouble, not 20 times a second.
             log.warning("metrics of %s (%s): %s", endpoint.name, target.url, message)
         target.failing = True
         target.last_error = message
+
+
+_UNREACHABLE_ERRNOS: Final = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a failed scrape says nothing listens at the address (as opposed to a
+    slow or broken answer, which may still come right)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        exc = exc.os_error
+    return isinstance(exc, ConnectionRefusedError) or (
+        isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS
+    )
 
 
 class _StaleCollector(Collector):
@@ -906,6 +933,8 @@ def describe_metrics(metrics: EndpointMetrics, now: float | None = None) -> dict
     reason: str | None = None
     if metrics.updated_at == 0.0:
         reason = "never scraped" + (f": {metrics.error}" if metrics.error else "")
+    elif metrics.unreachable:
+        reason = f"unreachable: {metrics.error} (last good scrape {age:.1f}s ago)"
     elif stale:
         reason = f"stale: last good scrape {age:.1f}s ago (threshold {metrics.staleness_s:g}s)"
         if metrics.error:
@@ -919,6 +948,7 @@ def describe_metrics(metrics: EndpointMetrics, now: float | None = None) -> dict
         "stale": stale,
         "ageSeconds": None if math.isinf(age) else round(age, 3),
         "error": metrics.error,
+        "unreachable": metrics.unreachable,
         "missing": dict(metrics.missing),
         "reason": reason,
         "lora": {

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import yaml
 
 from epp import cli
 from epp.config import (
@@ -236,6 +237,19 @@ def test_design_example_shape(registry: PluginRegistry) -> None:
 def test_default_config_loads(registry: PluginRegistry) -> None:
     config = load_config(DEFAULT_CONFIG, registry)
     assert list(config.scheduler.profiles) == ["default"]
+    weights = {s.slot.name: s.weight for s in config.scheduler.profiles["default"].scorers}
+    assert weights == {
+        "prefix-cache-scorer": 2,
+        "active-request-scorer": 2,
+        "queue-scorer": 1,
+        "kv-cache-utilization-scorer": 1,
+    }
+
+
+def test_the_shipped_default_yaml_is_the_built_in_default() -> None:
+    # The commented copy users read must not drift from what `epp serve` runs.
+    shipped = Path(__file__).parents[2] / "manifests" / "config" / "default.yaml"
+    assert yaml.safe_load(shipped.read_text()) == yaml.safe_load(DEFAULT_CONFIG)
 
 
 def test_llm_d_api_version_is_accepted(registry: PluginRegistry) -> None:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from bench.stack import envoy_binary
-from epp.cli import build_parser, kube_options
+from epp.cli import build_parser, kube_options, serve_options
 from epp.config import SchedulingConfig, load_config
 from epp.scheduling.registry import PluginRegistry
 from tests.manifests.chart import (
@@ -62,6 +62,8 @@ APPROX_PREFIX_VALUES: Final[dict[str, Any]] = {
                 },
                 "queue-scorer": {"weight": 2},
                 "kv-cache-utilization-scorer": {"weight": 2},
+                # In the chart's default profile, not in GIE's shape.
+                "active-request-scorer": {"enabled": False},
             },
             "plugins": [
                 {
@@ -106,6 +108,31 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
             "inferenceExtension": {"replicas": 2, "failureMode": "FailOpen"},
         },
     ),
+    "tls-envoy": deep_merge(
+        REQUIRED,
+        {
+            "envoy": {"enabled": True},
+            "inferenceExtension": {
+                "secureServing": {"enabled": True, "certSecretName": "epp-tls"},
+                "flags": {"max-concurrent-streams": 5000},
+            },
+        },
+    ),
+    # FailOpen with TLS to the picker and two target ports.
+    "tls-envoy-fail-open": deep_merge(
+        REQUIRED,
+        {
+            "envoy": {"enabled": True},
+            "inferenceExtension": {
+                "failureMode": "FailOpen",
+                "secureServing": {"enabled": True},
+            },
+            "inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}]},
+        },
+    ),
+    "tls-self-signed": deep_merge(
+        REQUIRED, {"inferenceExtension": {"secureServing": {"enabled": True}}}
+    ),
     "custom-config": deep_merge(
         REQUIRED,
         {
@@ -144,6 +171,9 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
                         "kv-cache-utilization-scorer": {"weight": 0},
                         "load-aware-scorer": {"enabled": False},
                         "inflight": {"type": "active-request-scorer"},
+                        # Two of the chart's default scorers turned off.
+                        "prefix-cache-scorer": {"enabled": False},
+                        "active-request-scorer": {"enabled": False},
                     },
                     "picker": {"type": "weighted-random-picker"},
                 },
@@ -160,6 +190,9 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
 }
 SETS: Final = sorted(VALUE_SETS)
 WITH_ENVOY: Final = [s for s in SETS if VALUE_SETS[s].get("envoy", {}).get("enabled")]
+FAIL_OPEN: Final = [
+    s for s in WITH_ENVOY if VALUE_SETS[s]["inferenceExtension"].get("failureMode") == "FailOpen"
+]
 
 
 @functools.cache
@@ -326,6 +359,11 @@ def test_a_typo_fails_at_render_time_with_a_schema_error(
             {"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8000}]}},
             "lists port 8000 twice",
             id="duplicate target port",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"secureServing": {"certSecretName": "epp-tls"}}},
+            "certSecretName is only used with inferenceExtension.secureServing.enabled",
+            id="a TLS secret without TLS",
         ),
     ],
 )
@@ -508,7 +546,8 @@ def test_large_numbers_in_parameters_survive_helm(monkeypatch: pytest.MonkeyPatc
         )
     )
     text = chart.config_files["default-plugins.yaml"]
-    params = yaml.safe_load(text)["plugins"][0]["parameters"]
+    (prefix,) = [p for p in yaml.safe_load(text)["plugins"] if p["type"] == "prefix-cache-scorer"]
+    params = prefix["parameters"]
     assert params == {"lruCapacityPerServer": 2000000, "blockSizeTokens": 64}
     _load(text, monkeypatch)
 
@@ -568,6 +607,32 @@ def test_extra_flags_are_rendered_as_epp_flags() -> None:
     assert args.config_reload_interval == 5.0
     assert args.refresh_metrics_interval == pytest.approx(0.1)
     assert args.log_format == "json"  # the chart's default flag, merged with these
+
+
+def test_secure_serving_with_a_secret_serves_its_certificate_and_follows_renewals() -> None:
+    chart = rendered("tls-envoy")
+    args = _serve_args(chart)
+    assert args.secure_serving is True
+    assert args.cert_path == "/etc/epp/tls"
+    assert args.enable_cert_reload is True
+    assert args.max_concurrent_streams == 5000
+    serve_options(args)  # a combination `epp serve` accepts
+    # The Secret as a whole directory (a subPath mount would never see a renewal).
+    mount = {"name": "tls", "mountPath": "/etc/epp/tls", "readOnly": True}
+    assert mount in chart.epp_container["volumeMounts"]
+    assert {"name": "tls", "secret": {"secretName": "epp-tls"}} in chart.epp_pod["spec"]["volumes"]
+
+
+def test_secure_serving_without_a_secret_is_self_signed() -> None:
+    chart = rendered("tls-self-signed")
+    args = _serve_args(chart)
+    assert (args.secure_serving, args.cert_path, args.enable_cert_reload) == (True, None, False)
+    assert all(v["name"] != "tls" for v in chart.epp_pod["spec"]["volumes"])
+
+
+def test_plaintext_by_default() -> None:
+    args = _serve_args(rendered("default"))
+    assert (args.secure_serving, args.cert_path) == (False, None)
 
 
 def _service_ports(service: Obj) -> dict[str, int]:
@@ -793,16 +858,126 @@ def test_the_envoy_bootstrap_is_valid_for_envoy(name: str, tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_envoy_uses_the_projects_ext_proc_settings() -> None:
-    chart = rendered("standalone-envoy")
-    ours = _ext_proc(_envoy_bootstrap(chart))
+@pytest.mark.parametrize("name", WITH_ENVOY)
+def test_envoy_uses_the_projects_ext_proc_settings(name: str) -> None:
+    ours = _ext_proc(_envoy_bootstrap(rendered(name)))
     shipped = _ext_proc(yaml.safe_load((ROOT / "manifests" / "envoy" / "envoy.yaml").read_text()))
-    for key in ("processing_mode", "message_timeout", "metadata_options"):
+    for key in ("message_timeout", "metadata_options"):
         assert ours[key] == shipped[key], key
     assert ours["grpc_service"]["timeout"] == shipped["grpc_service"]["timeout"]
-    # FailOpen in the values.
-    assert ours["failure_mode_allow"] is True
     assert shipped["failure_mode_allow"] is False
+    mode = dict(ours["processing_mode"])
+    if name in FAIL_OPEN:
+        # Envoy 1.40 ignores failure_mode_allow with a FULL_DUPLEX_STREAMED request
+        # body (docs/reliability.md).
+        assert ours["failure_mode_allow"] is True
+        assert mode.pop("request_body_mode") == "BUFFERED"
+        assert shipped["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+        mode["request_body_mode"] = "FULL_DUPLEX_STREAMED"
+    else:
+        assert ours["failure_mode_allow"] is False
+    assert mode == shipped["processing_mode"]
+
+
+def _inference_routes(bootstrap: Mapping[str, Any]) -> dict[str, Any]:
+    (listener,) = (
+        entry
+        for entry in bootstrap["static_resources"]["listeners"]
+        if entry["name"] == "inference"
+    )
+    route_config: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"
+    ]
+    return route_config
+
+
+def _clusters(bootstrap: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+
+
+DESTINATION: Final = "x-gateway-destination-endpoint"
+
+
+@pytest.mark.parametrize("name", FAIL_OPEN)
+def test_fail_open_envoy_routes_to_the_pool_without_the_picker(name: str) -> None:
+    chart = rendered(name)
+    bootstrap = _envoy_bootstrap(chart)
+    route_config = _inference_routes(bootstrap)
+    # A client cannot pick its upstream while the picker is away.
+    assert route_config["internal_only_headers"] == [DESTINATION]
+    (host,) = route_config["virtual_hosts"]
+    picked, unpicked = host["routes"]
+    assert picked["match"] == {
+        "prefix": "/",
+        "headers": [{"name": DESTINATION, "present_match": True}],
+    }
+    assert picked["route"]["cluster"] == "original_destination_cluster"
+    assert unpicked["match"] == {"prefix": "/"}
+    assert unpicked["route"]["cluster"] == "pool_fallback"
+    for route in (picked, unpicked):
+        assert route["route"]["timeout"] == route["route"]["idle_timeout"] == "0s"
+    clusters = _clusters(bootstrap)
+    assert clusters["original_destination_cluster"]["type"] == "ORIGINAL_DST"
+    fallback = clusters["pool_fallback"]
+    assert fallback["type"] == "STRICT_DNS"
+    assert fallback["lb_policy"] == "ROUND_ROBIN"
+    assert "transport_socket" not in fallback
+    (locality,) = fallback["load_assignment"]["endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in locality["lb_endpoints"]]
+    # The pool's pods through their headless Service, on each target port.
+    service_name = f"{RELEASE}-pool-pods"
+    target_ports = [p["number"] for p in chart.one("InferencePool", RELEASE)["spec"]["targetPorts"]]
+    assert addresses == [
+        {"address": f"{service_name}.{NAMESPACE}.svc", "port_value": port} for port in target_ports
+    ]
+    pods = chart.one("Service", service_name)
+    assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["selector"] == POOL_LABELS
+    assert [p["targetPort"] for p in pods["spec"]["ports"]] == target_ports
+    # Not the picker's pods, nor its scraped Service.
+    assert not pods["spec"]["selector"].items() <= chart.epp_pod["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("name", sorted(set(WITH_ENVOY) - set(FAIL_OPEN)))
+def test_fail_close_envoy_has_no_fallback(name: str) -> None:
+    chart = rendered(name)
+    bootstrap = _envoy_bootstrap(chart)
+    ext_proc = _ext_proc(bootstrap)
+    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    route_config = _inference_routes(bootstrap)
+    assert "internal_only_headers" not in route_config
+    (host,) = route_config["virtual_hosts"]
+    (route,) = host["routes"]
+    assert route["match"] == {"prefix": "/"}
+    assert route["route"]["cluster"] == "original_destination_cluster"
+    assert "pool_fallback" not in _clusters(bootstrap)
+    assert chart.get("Service", f"{RELEASE}-pool-pods") is None
+
+
+def _epp_cluster(chart: Rendered) -> dict[str, Any]:
+    clusters = _envoy_bootstrap(chart)["static_resources"]["clusters"]
+    cluster: dict[str, Any] = next(c for c in clusters if c["name"] == "epp")
+    return cluster
+
+
+def test_envoy_talks_tls_to_a_secure_picker_and_checks_its_health_in_plaintext() -> None:
+    cluster = _epp_cluster(rendered("tls-envoy"))
+    socket = cluster["transport_socket"]
+    assert socket["name"] == "envoy.transport_sockets.tls"
+    context = socket["typed_config"]
+    assert context["@type"].endswith("UpstreamTlsContext")
+    assert context["common_tls_context"]["alpn_protocols"] == ["h2"]
+    # The health port (9003) is plaintext: the health check selects a raw socket.
+    (health,) = cluster["health_checks"]
+    (plain,) = cluster["transport_socket_matches"]
+    assert health["transport_socket_match_criteria"] == plain["match"]
+    assert plain["transport_socket"]["name"] == "envoy.transport_sockets.raw_buffer"
+    # Without secureServing, plaintext throughout.
+    plaintext = _epp_cluster(rendered("standalone-envoy"))
+    assert "transport_socket" not in plaintext
+    assert "transport_socket_matches" not in plaintext
+    assert "transport_socket_match_criteria" not in plaintext["health_checks"][0]
 
 
 def test_envoy_reaches_every_picker_replica() -> None:
@@ -851,6 +1026,10 @@ CHART_FLAGS: Final = {
     "kv-events-port",
     "kv-events-replay-port",
     "shutdown-grace",
+    # From inferenceExtension.secureServing.
+    "secure-serving",
+    "cert-path",
+    "enable-cert-reload",
 }
 
 

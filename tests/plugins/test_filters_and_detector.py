@@ -49,6 +49,15 @@ def test_stale_filter_threshold_parameter() -> None:
     ) == [a]
 
 
+def test_stale_filter_drops_an_unreachable_endpoint_whatever_the_age() -> None:
+    # Scraped a moment ago, then refused: the server is gone.
+    up, gone = pool(aged(0.1), aged(0.1, unreachable=True, error="refused"))
+    for plugin in (stale_filter(), stale_filter(metricsStalenessThreshold="1h")):
+        assert list(plugin.filter(make_request(), CycleState(), [up, gone])) == [up]
+    assert detector().load(gone, time.monotonic()) == 1.0
+    assert list(detector().filter(make_request(), CycleState(), [up, gone])) == [up]
+
+
 def test_stale_filter_fails_open_unless_told_not_to() -> None:
     endpoints = pool(aged(10.0), EndpointMetrics())
     assert list(stale_filter().filter(make_request(), CycleState(), endpoints)) == endpoints

@@ -11,8 +11,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from sim.cli import _serve_parser, config_from_args
 from sim.kv_events import AllBlocksCleared, BlockRemoved, EventBatchEncoder
 from sim.publisher import END_SEQ, KVEventPublisher, PublisherConfig
+from sim.server import SimPod
 
 TIMEOUT_S = 5.0
 
@@ -194,3 +196,15 @@ async def test_malformed_replay_request_is_ignored(zctx: zmq.asyncio.Context) ->
         assert len(replies) == 2
     finally:
         await publisher.close()
+
+
+def test_the_high_water_mark_is_a_pod_option() -> None:
+    """`--kv-events-hwm` (vLLM's `hwm`) reaches the PUB socket's settings."""
+    args = _serve_parser("sim").parse_args(
+        ["--port", "1", "--kv-events-port", "0", "--kv-events-hwm", "7"]
+    )
+    pod = SimPod(config_from_args(args))
+    assert pod.publisher is not None
+    assert pod.publisher.config.hwm == 7
+    default = SimPod(config_from_args(_serve_parser("sim").parse_args(["--port", "1"])))
+    assert default.config.kv_events_hwm == 100_000  # vLLM's default

@@ -143,6 +143,7 @@ async def test_state_matches_hashes_and_kv_events(
     assert stored["extra_keys"] == [None, None, None]
     truth = await state(http, pod)
     assert truth["cachedBlockHashes"] == sorted(hashes)
+    assert truth["cachedBlocksDigest"] == f"{hashes[0] ^ hashes[1] ^ hashes[2]:016x}"
     assert truth["blocks"]["used"] == 0
     assert truth["kvEvents"]["lastSeq"] == 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from epp.kvindex.index import PrefixIndex, bits
@@ -147,3 +149,47 @@ def test_invalid_bounds() -> None:
         PrefixIndex(0, WEIGHTS)
     with pytest.raises(ValueError, match="tier"):
         PrefixIndex(10, {})
+
+
+def _xor(keys: set[int]) -> int:
+    digest = 0
+    for key in keys:
+        digest ^= key
+    return digest
+
+
+def test_the_digest_is_the_xor_of_the_keys_each_slot_holds() -> None:
+    """Against a model kept as plain sets, through stores, removals, repeated
+    stores, evictions by the bound and a retired slot."""
+    rng = random.Random(7)
+    index = make(max_entries=300)
+    slots = [index.new_slot() for _ in range(3)]
+    model: dict[tuple[int, str], set[int]] = {(s, t): set() for s in slots for t in WEIGHTS}
+    for _ in range(2000):
+        slot = rng.choice(slots)
+        name = rng.choice(list(WEIGHTS))
+        tier = index.tier(name)
+        assert tier is not None
+        keys = [rng.randrange(1, 1 << 64) if rng.random() < 0.3 else rng.randrange(1, 400)]
+        keys += [rng.randrange(1, 400) for _ in range(rng.randrange(0, 4))]
+        if rng.random() < 0.7:
+            index.store(slot, tier, keys)
+            model[slot, name].update(keys)
+        else:
+            index.remove(slot, tier, keys)
+            model[slot, name].difference_update(keys)
+        if index.stats.evictions:
+            # The bound dropped entries: the model learns which from the maps.
+            for (s, t), held in model.items():
+                tier_blocks = index.tier(t).blocks  # type: ignore[union-attr]
+                held.intersection_update(k for k in held if tier_blocks.get(k, 0) >> s & 1)
+        for s in slots:
+            digest = index.slot_digest(s)
+            for t in WEIGHTS:
+                assert digest[t] == _xor(model[s, t])
+                assert index.slot_blocks(s)[t] == len(model[s, t])
+    assert index.stats.evictions > 0
+    index.retire_slot(slots[0])
+    assert index.slot_digest(slots[0]) == {}
+    fresh = index.new_slot()
+    assert index.slot_digest(fresh) == {"gpu": 0, "cpu": 0}

@@ -444,3 +444,33 @@ def test_a_batch_for_an_endpoint_already_removed_changes_nothing() -> None:
     sink.apply(decode_batch(batch(stored([1, 2, 3]))))
     assert harness.precise.index.stats.entries == 0
     assert harness.precise.late_batches == 1
+
+
+async def test_a_payload_with_invalid_utf8_or_a_junk_extra_key_never_restarts_the_stream(
+    publishers: list[RawPublisher], harnesses: list[Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regressions found by fuzzing (tests/epp/sources/test_kv_wire_fuzz.py): a msgpack
+    string that is not UTF-8 escaped the decoder as a UnicodeDecodeError, and an
+    extra key that is not a list (after block 0) made the alignment check raise. Either
+    broke the stream mid-batch; it restarted, replayed the same bytes and broke again."""
+    publisher = RawPublisher()
+    publishers.append(publisher)
+    harness = await raw_harness(harnesses, publisher)
+    caplog.set_level(logging.WARNING)
+    not_utf8 = (
+        b"\x93\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\x91\xa2\xff\xfe\x00"  # [1.0, ["\xff\xfe"], 0]
+    )
+    junk_extra_key = {
+        **stored([7, 8]),
+        "token_ids": list(range(32)),  # two whole blocks: the alignment check runs
+        "extra_keys": [None, 5],
+    }
+    await publisher.send(0, not_utf8)
+    await publisher.send(1, batch(junk_extra_key, stored([9], parent=8)))
+    await wait_for(lambda: harness.stream("raw").status.last_seq == 1)
+    assert harness.keys("raw") == {7, 8, 9}
+    sink = harness.precise.streams(harness.endpoint("raw"))[0]
+    assert dict(sink.counters.rejected) == {"bad_payload": 1}
+    assert sink.alignment.aligned is not False  # unverifiable, not a mismatch
+    assert harness.stream("raw").status.state is StreamState.LIVE
+    assert not [r for r in caplog.records if "the stream failed" in r.getMessage()]

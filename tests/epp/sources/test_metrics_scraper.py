@@ -159,6 +159,38 @@ async def test_an_unreachable_endpoint_is_never_fresh() -> None:
         assert sample(registry, "epp_metrics_scrapes_total", {"result": "connect_error"}) >= 1
 
 
+async def test_a_server_that_goes_away_is_stale_at_the_next_scrape() -> None:
+    """A refused connection is not a slow answer: the pod is gone (killed,
+    restarting), so its metrics stop being trusted at once, not after the
+    staleness threshold; and they are trusted again once it answers."""
+    settings = ScrapeSettings(interval_s=0.02, timeout_s=0.5, staleness_s=60.0)
+    server = await MetricsServer(page=vllm_page(waiting=4)).start()
+    port = server.port
+    async with scraping({"pod": server}, settings) as (run, registry):
+        await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
+        assert not run.endpoint("pod").metrics.stale()
+        await server.stop()
+        await run.until(lambda: run.endpoint("pod").metrics.stale())
+        metrics = run.endpoint("pod").metrics
+        assert metrics.unreachable
+        assert metrics.age() < 5.0  # stale long before the 60 s threshold
+        assert metrics.waiting_requests == 4  # the last values are kept, not trusted
+        described = describe_metrics(metrics)
+        assert str(described["reason"]).startswith("unreachable: ")
+        assert described["unreachable"] is True
+        assert sample(registry, "epp_metrics_stale_endpoints") == 1
+        # The same server back on its port: fresh again at the next scrape.
+        server = await MetricsServer(page=vllm_page(waiting=5)).start(port)
+        try:
+            await run.until(lambda: run.endpoint("pod").metrics.waiting_requests == 5)
+            metrics = run.endpoint("pod").metrics
+            assert not metrics.stale()
+            assert not metrics.unreachable
+            assert metrics.error is None
+        finally:
+            await server.stop()
+
+
 async def test_endpoints_added_and_removed_start_and_stop_being_scraped(
     servers: list[MetricsServer],
 ) -> None:

@@ -14,6 +14,10 @@ Names. The InferencePool is the release's name; the picker's objects are
 {{- printf "%s-epp-pods" .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "inferencepool.poolHeadlessName" -}}
+{{- printf "%s-pool-pods" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "inferencepool.envoyName" -}}
 {{- printf "%s-envoy" .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -98,6 +102,10 @@ message that says what to change.
 {{- end -}}
 {{- if and (eq (include "inferencepool.poolGroup" .) "inference.networking.x-k8s.io") (gt (len $pool.targetPorts) 1) -}}
 {{- fail "inferencePool.apiVersion inference.networking.x-k8s.io/v1alpha2 has a single target port: give one inferencePool.targetPorts entry, or use inference.networking.k8s.io/v1" -}}
+{{- end -}}
+{{- $tls := $ie.secureServing | default dict -}}
+{{- if and (get $tls "certSecretName") (not (get $tls "enabled")) -}}
+{{- fail "inferenceExtension.secureServing.certSecretName is only used with inferenceExtension.secureServing.enabled: true (the picker serves plaintext otherwise)" -}}
 {{- end -}}
 {{- if and (get $ie.kvEvents "replayPort") (not (get $ie.kvEvents "port")) -}}
 {{- fail "inferenceExtension.kvEvents.replayPort needs inferenceExtension.kvEvents.port (the engines' KV-event PUB port)" -}}
@@ -244,6 +252,14 @@ inferenceObjectives:
 {{- $args = append $args (printf "--kv-events-replay-port=%d" (int .)) -}}
 {{- end -}}
 {{- $args = append $args (printf "--shutdown-grace=%s" $ie.shutdownGrace) -}}
+{{- $tls := $ie.secureServing | default dict -}}
+{{- if get $tls "enabled" -}}
+{{- $args = append $args "--secure-serving" -}}
+{{- if get $tls "certSecretName" -}}
+{{- $args = append $args "--cert-path=/etc/epp/tls" -}}
+{{- $args = append $args "--enable-cert-reload" -}}
+{{- end -}}
+{{- end -}}
 {{- range $name, $value := $ie.flags -}}
 {{- if kindIs "bool" $value -}}
 {{- if $value -}}

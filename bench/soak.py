@@ -1,0 +1,638 @@
+"""Soak: a long steady load with pod churn, watching the EPP for slow decay.
+
+    python -m bench soak --minutes 30
+
+Simulated pods (`bench.stack.Pods`), `epp serve` with precise prefix routing,
+load scorers and the stale-metrics filter, and a real Envoy in front. For
+`--minutes`:
+
+- open-loop Poisson requests at `--rate` per second through Envoy, token-id
+  prompts whose system prompt is drawn from `--groups` groups with Zipf weights
+  (a few hot prefixes and a long tail, so the index keeps meeting new blocks and
+  must stay within its bound, `--max-index-entries`);
+- churn: every `--churn-interval` seconds one pod, in turn, is killed (SIGKILL)
+  and started again on its ports, an engine with an empty cache and its KV-event
+  seq back at 0;
+- every `--sample-interval` seconds a sample: the EPP process's RSS, its index
+  entries, bound and evictions by the bound (`--max-index-entries`, below the
+  pods' total KV blocks so the bound is exercised), the p99 of its pick latency
+  over the interval
+  (`epp_scheduler_duration_seconds`, and `epp_request_processing_duration_seconds`:
+  everything the EPP adds), requests ok and failed, KV-event gaps, replays and
+  engine restarts seen.
+
+The summary compares the start of the run with its end: RSS growth and its slope
+over the second half (a leak shows as a steady slope once caches are warm), the
+index's largest size against its bound, p99 pick latency in the first and last
+quarter (the median of the intervals' p99s; their ratio is the drift), and
+errors, split into those around a pod kill (requests in flight to it, or routed
+before the EPP saw it go) and any others.
+
+Writes results.json, report.md and soak.png to `--out`; a progress bar shows the
+time, request rate and errors while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from tqdm import tqdm
+
+from bench.longrun import (
+    OpenLoop,
+    Outcome,
+    PrefixSpace,
+    fetch_text,
+    histogram,
+    parse_samples,
+    percentile,
+    quantile,
+    rss_bytes,
+    total,
+)
+from bench.stack import (
+    EppPorts,
+    Pods,
+    ProcessFailed,
+    envoy_config,
+    free_port,
+    start_envoy,
+    start_epp,
+)
+
+# Errors within this long after a pod kill are counted as the kill's.
+CHURN_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    out_dir: Path = Path("out/soak")
+    minutes: float = 30.0
+    pods: int = 4
+    rate: float = 20.0  # requests per wall second
+    groups: int = 20_000  # the prefix space
+    system_len: int = 256
+    question_len: int = 32
+    skew: float = 1.0
+    output_tokens: int = 8
+    churn_interval_s: float = 60.0  # 0: no churn
+    sample_interval_s: float = 5.0
+    # Below the fleet's KV capacity (4 pods x 4,000 blocks), so the bound, not only
+    # the engines' own evictions, keeps the index in check.
+    max_index_entries: int = 12_000
+    num_gpu_blocks: int = 4_000  # per pod: small, so engines evict too
+    time_scale: float = 0.05
+    request_timeout_s: float = 60.0
+    seed: int = 0
+    progress: bool = False
+    command: str = ""
+
+
+def soak_config(max_index_entries: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {"type": "stale-metrics-filter"},
+            {
+                "type": "precise-prefix-cache-scorer",
+                "name": "prefix",
+                "parameters": {
+                    "blockSize": 16,
+                    "hashSeed": "0",
+                    "speculativeIndexing": True,
+                    "maxIndexEntries": max_index_entries,
+                },
+            },
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {"type": "active-request-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "stale-metrics-filter"},
+                    {"pluginRef": "prefix", "weight": 3},
+                    {"pluginRef": "queue-scorer", "weight": 2},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                    {"pluginRef": "active-request-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+@dataclass
+class Sample:
+    t_s: float  # since the load started
+    window_s: float  # since the previous sample
+    rss_bytes: int | None
+    index_entries: float
+    index_max_entries: float
+    index_evicted_entries: float  # total so far, by the bound
+    pick_p99_s: float | None  # over the interval since the previous sample
+    processing_p99_s: float | None
+    requests_ok: int  # answered over the interval
+    requests_failed: int
+    latency_p99_s: float | None  # client side, end to end, over the interval
+    kv_gaps: float  # totals so far
+    kv_replays: float
+    kv_restarts: float
+    in_flight: float
+
+
+@dataclass
+class _State:
+    samples: list[Sample] = field(default_factory=list)
+    kills: list[float] = field(default_factory=list)  # seconds since the load started
+    restarts_ready: list[float] = field(default_factory=list)
+    restart_failures: list[str] = field(default_factory=list)
+    sample_failures: int = 0  # samples the EPP did not answer (it died, say)
+    started: float = 0.0  # time.monotonic() when the load started
+
+
+async def _sample(
+    session: aiohttp.ClientSession,
+    admin: str,
+    pid: int,
+    load: OpenLoop,
+    started: float,
+    previous: dict[str, Any],
+) -> Sample:
+    samples = parse_samples(await fetch_text(session, admin + "/metrics"))
+    pick = histogram(samples, "epp_scheduler_duration_seconds")
+    processing = histogram(samples, "epp_request_processing_duration_seconds")
+    now = time.monotonic()
+    seen = len(load.outcomes)
+    window = load.outcomes[previous.get("seen", 0) : seen]
+    sample = Sample(
+        t_s=now - started,
+        window_s=now - previous.get("at", started),
+        rss_bytes=rss_bytes(pid),
+        index_entries=total(samples, "epp_kv_index_entries"),
+        index_max_entries=total(samples, "epp_kv_index_max_entries"),
+        index_evicted_entries=total(samples, "epp_kv_index_evicted_entries_total"),
+        pick_p99_s=quantile(0.99, pick, previous.get("pick")),
+        processing_p99_s=quantile(0.99, processing, previous.get("processing")),
+        requests_ok=sum(o.ok for o in window),
+        requests_failed=sum(not o.ok for o in window),
+        latency_p99_s=percentile([o.latency_s for o in window if o.ok], 0.99),
+        kv_gaps=total(samples, "epp_kv_event_gaps_total"),
+        kv_replays=sum(
+            v for labels, v in samples.get("epp_kv_event_replays_total", [])
+            if labels.get("result") == "requested"
+        ),
+        kv_restarts=sum(
+            v for labels, v in samples.get("epp_kv_index_resets_total", [])
+            if labels.get("reason") == "restart"
+        ),
+        in_flight=total(samples, "epp_in_flight_requests"),
+    )  # fmt: skip
+    previous.update(pick=pick, processing=processing, seen=seen, at=now)
+    return sample
+
+
+async def _take_sample(
+    session: aiohttp.ClientSession,
+    admin: str,
+    pid: int,
+    load: OpenLoop,
+    started: float,
+    previous: dict[str, Any],
+    state: _State,
+) -> None:
+    """A sample, unless the EPP does not answer: then the run goes on (its end
+    says whether the EPP survived) with one sample fewer."""
+    try:
+        state.samples.append(await _sample(session, admin, pid, load, started, previous))
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        state.sample_failures += 1
+
+
+async def _churn(
+    options: SoakOptions, pods: Pods, started: float, state: _State, stop: asyncio.Event
+) -> None:
+    names = list(pods.pods)
+    turn = 0
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), options.churn_interval_s)
+            return
+        name = names[turn % len(names)]
+        turn += 1
+        state.kills.append(time.monotonic() - started)
+        await asyncio.to_thread(pods.kill, name)
+        try:
+            await asyncio.to_thread(pods.start, name)
+        except ProcessFailed as exc:
+            # A pod that does not come back (its port taken meanwhile, say) stays
+            # down until its next turn; the run goes on and the report says so.
+            state.restart_failures.append(f"{name}: {exc}".splitlines()[0])
+            continue
+        state.restarts_ready.append(time.monotonic() - started)
+
+
+async def _run(
+    options: SoakOptions, pods: Pods, url: str, admin: str, pid: int
+) -> tuple[_State, list[Outcome], float]:
+    space = PrefixSpace(
+        options.groups, options.system_len, options.question_len, options.skew, options.seed
+    )
+    load = OpenLoop(
+        url,
+        space,
+        options.rate,
+        seed=options.seed,
+        max_tokens=options.output_tokens,
+        timeout_s=options.request_timeout_s,
+    )
+    state = _State()
+    duration_s = options.minutes * 60.0
+    stop = asyncio.Event()
+    bar = tqdm(total=round(duration_s), desc="soak", unit="s") if options.progress else None
+    async with aiohttp.ClientSession() as session:
+        previous: dict[str, Any] = {}
+        started = state.started = time.monotonic()
+        # The histograms' counts before the load: the first window starts here.
+        await _sample(session, admin, pid, load, started, previous)
+        sending = asyncio.create_task(load.run())
+        churn = (
+            asyncio.create_task(_churn(options, pods, started, state, stop))
+            if options.churn_interval_s > 0
+            else None
+        )
+        next_sample = started + options.sample_interval_s
+        shown = 0
+        try:
+            while (now := time.monotonic()) < started + duration_s:
+                await asyncio.sleep(min(1.0, max(0.0, next_sample - now)))
+                now = time.monotonic()
+                if now >= next_sample:
+                    await _take_sample(session, admin, pid, load, started, previous, state)
+                    next_sample += options.sample_interval_s
+                if bar is not None:
+                    elapsed = min(round(now - started), round(duration_s))
+                    bar.update(elapsed - shown)
+                    shown = elapsed
+                    failed = sum(not o.ok for o in load.outcomes)
+                    last = state.samples[-1] if state.samples else None
+                    bar.set_postfix(
+                        req=len(load.outcomes),
+                        errors=failed,
+                        rss_mb=round((last.rss_bytes or 0) / 2**20) if last else "-",
+                        kills=len(state.kills),
+                        refresh=False,
+                    )
+        finally:
+            stop.set()
+            load.stop()
+            if churn is not None:
+                await churn
+            outcomes = await sending
+            if bar is not None:
+                bar.close()
+        # The last partial interval, answers of the last requests included.
+        await _take_sample(session, admin, pid, load, started, previous, state)
+    return state, outcomes, time.monotonic() - started
+
+
+async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
+    out = options.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    sim_args = [
+        "--hash-seed", "0",
+        "--time-scale", repr(options.time_scale),
+        "--output-tokens", str(options.output_tokens),
+        "--num-gpu-blocks", str(options.num_gpu_blocks),
+    ]  # fmt: skip
+    pods = Pods(out / "pods", options.pods, sim_args)
+    stops = []
+    try:
+        await asyncio.to_thread(pods.start)
+        endpoints = pods.endpoints_file(out / "endpoints.yaml")
+        config = out / "config.yaml"
+        config.write_text(yaml.safe_dump(soak_config(options.max_index_entries), sort_keys=False))
+        ports = EppPorts.free()
+        epp = await asyncio.to_thread(
+            start_epp, endpoints, out / "epp", ports, config, ["--debug-endpoints"]
+        )
+        stops.append(epp.stop)
+        assert epp.process is not None
+        listen = free_port()
+        envoy = await asyncio.to_thread(
+            start_envoy,
+            envoy_config(listen_port=listen, epp_port=ports.grpc, admin_port=free_port()),
+            out / "envoy",
+        )
+        stops.append(envoy.stop)
+        state, outcomes, wall_s = await _run(
+            options,
+            pods,
+            f"http://127.0.0.1:{listen}",
+            f"http://127.0.0.1:{ports.metrics}",
+            epp.process.pid,
+        )
+        epp_alive = epp.process.poll() is None
+    finally:
+        for stop in reversed(stops):
+            await asyncio.to_thread(stop)
+        await asyncio.to_thread(pods.stop)
+    document = {
+        "command": options.command,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": _cpus(), "python": platform.python_version()},
+        "options": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in asdict(options).items()
+            if k not in ("out_dir", "command", "progress")
+        },
+        "wall_s": wall_s,
+        "epp_alive_at_end": epp_alive,
+        "summary": summarize(state, outcomes),
+        "kills_s": state.kills,
+        "restarted_s": state.restarts_ready,
+        "restart_failures": state.restart_failures,
+        "sample_failures": state.sample_failures,
+        "samples": [asdict(s) for s in state.samples],
+    }
+    (out / "results.json").write_text(json.dumps(document, indent=1) + "\n")
+    plots = [p for p in (plot(document, out),) if p is not None]
+    (out / "report.md").write_text(report(document, plots))
+    return document
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (x, y) points (None for fewer than two)."""
+    if len(points) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    if spread == 0:
+        return None
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    """The median of the known values: one slow interval (a warm-up, a kill) does
+    not make a quarter."""
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    middle = len(known) // 2
+    return known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
+
+
+def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    samples = state.samples
+    rss = [(s.t_s, s.rss_bytes / 2**20) for s in samples if s.rss_bytes is not None]
+    half = [(t, mb) for t, mb in rss if rss and t >= rss[-1][0] / 2]
+    slope = _slope(half)
+    quarter = max(1, len(samples) // 4)
+    first, last = samples[:quarter], samples[-quarter:]
+    started = state.started
+    failed = [o for o in outcomes if not o.ok]
+
+    def at_kill(o: Outcome) -> bool:
+        t = o.started - started
+        return any(k - (o.latency_s + 1.0) <= t <= k + CHURN_WINDOW_S for k in state.kills)
+
+    around = [o for o in failed if at_kill(o)]
+    errors: dict[str, int] = {}
+    for o in failed:
+        errors[o.error or "error"] = errors.get(o.error or "error", 0) + 1
+    bound = max((s.index_max_entries for s in samples), default=0.0)
+    largest = max((s.index_entries for s in samples), default=0.0)
+    pick_first, pick_last = (
+        _median([s.pick_p99_s for s in first]),
+        _median([s.pick_p99_s for s in last]),
+    )
+    return {
+        "requests": len(outcomes),
+        "ok": len(outcomes) - len(failed),
+        "errors": len(failed),
+        "errors_around_kills": len(around),
+        "errors_other": len(failed) - len(around),
+        "error_kinds": errors,
+        "kills": len(state.kills),
+        "rss_start_mb": rss[0][1] if rss else None,
+        "rss_end_mb": rss[-1][1] if rss else None,
+        "rss_max_mb": max((mb for _, mb in rss), default=None),
+        "rss_slope_second_half_mb_per_min": None if slope is None else slope * 60.0,
+        "index_max_entries_seen": largest,
+        "index_bound": bound,
+        "index_within_bound": largest <= bound if bound else None,
+        "index_evicted_entries": samples[-1].index_evicted_entries if samples else 0,
+        "pick_p99_first_quarter_s": pick_first,
+        "pick_p99_last_quarter_s": pick_last,
+        "pick_p99_drift": (pick_last / pick_first) if pick_first and pick_last else None,
+        "processing_p99_first_quarter_s": _median([s.processing_p99_s for s in first]),
+        "processing_p99_last_quarter_s": _median([s.processing_p99_s for s in last]),
+        "latency_p99_s": percentile([o.latency_s for o in outcomes if o.ok], 0.99),
+        "kv_gaps": samples[-1].kv_gaps if samples else 0,
+        "kv_replays": samples[-1].kv_replays if samples else 0,
+        "kv_engine_restarts_seen": samples[-1].kv_restarts if samples else 0,
+        "in_flight_at_end": samples[-1].in_flight if samples else None,
+    }
+
+
+def plot(document: dict[str, Any], out: Path) -> str | None:
+    samples = document["samples"]
+    if not samples:
+        return None
+    # Imported here: `python -m bench --help` should not pay for matplotlib.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    minutes = [s["t_s"] / 60 for s in samples]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    (rss_ax, index_ax), (pick_ax, load_ax) = axes
+    rss_ax.plot(minutes, [(s["rss_bytes"] or 0) / 2**20 for s in samples], color="tab:blue")
+    rss_ax.set_ylabel("EPP RSS (MiB)")
+    rss_ax.set_title("Memory")
+    index_ax.plot(minutes, [s["index_entries"] for s in samples], label="entries")
+    index_ax.plot(minutes, [s["index_max_entries"] for s in samples], linestyle="--", label="bound")
+    index_ax.set_ylabel("index (block, pod) entries")
+    index_ax.set_title("Prefix index size and its bound")
+    index_ax.legend()
+    for key, label in (
+        ("pick_p99_s", "pick (scheduler)"),
+        ("processing_p99_s", "all the EPP adds"),
+    ):
+        pick_ax.plot(
+            minutes,
+            [None if s[key] is None else s[key] * 1000 for s in samples],
+            marker=".",
+            label=label,
+        )
+    pick_ax.set_ylabel("p99 per interval (ms)")
+    pick_ax.set_title("Pick latency")
+    pick_ax.legend()
+    load_ax.plot(minutes, [s["requests_ok"] / s["window_s"] for s in samples], label="ok/s")
+    load_ax.plot(minutes, [s["requests_failed"] / s["window_s"] for s in samples], label="failed/s")
+    load_ax.set_ylabel("requests per second")
+    load_ax.set_title("Requests")
+    load_ax.legend()
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        for kill in document["kills_s"]:
+            ax.axvline(kill / 60, color="tab:red", alpha=0.35, linewidth=0.8)
+    for ax in axes[1]:
+        ax.set_xlabel("minutes (red lines: a pod killed and restarted)")
+    fig.tight_layout()
+    fig.savefig(out / "soak.png", dpi=110)
+    plt.close(fig)
+    return "soak.png"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.2f} ms"
+
+
+def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
+    o, s = document["options"], document["summary"]
+    lines = [
+        f"Soak: {o['minutes']:g} min at {o['rate']:g} req/s, {o['pods']} pods, a pod restarted"
+        f" every {o['churn_interval_s']:g} s ({s['kills']} kills), {o['groups']} prefix groups,"
+        f" {document['machine']['cpus']} CPUs",
+        "",
+        "| what | start | end | |",
+        "|---|---:|---:|---|",
+        f"| EPP RSS | {_fmt(s['rss_start_mb'], '.1f')} MiB | {_fmt(s['rss_end_mb'], '.1f')} MiB"
+        f" | max {_fmt(s['rss_max_mb'], '.1f')} MiB; second-half slope"
+        f" {_fmt(s['rss_slope_second_half_mb_per_min'], '+.2f')} MiB/min |",
+        f"| pick p99 (median interval, first / last quarter) | {_ms(s['pick_p99_first_quarter_s'])}"
+        f" | {_ms(s['pick_p99_last_quarter_s'])} | drift x{_fmt(s['pick_p99_drift'], '.2f')} |",
+        f"| EPP processing p99 | {_ms(s['processing_p99_first_quarter_s'])}"
+        f" | {_ms(s['processing_p99_last_quarter_s'])} | |",
+        f"| index entries | | {s['index_max_entries_seen']:,.0f} (largest)"
+        f" | bound {s['index_bound']:,.0f}:"
+        f" {'within' if s['index_within_bound'] else 'EXCEEDED'};"
+        f" {s['index_evicted_entries']:,.0f} evicted by it |",
+        "",
+        f"Requests: {s['requests']}, ok {s['ok']}, errors {s['errors']} ({s['errors_around_kills']}"
+        f" around a pod kill, {s['errors_other']} other; {s['error_kinds'] or 'none'}). Client p99"
+        f" end to end {_fmt(s['latency_p99_s'], '.3f')} s. KV events: {s['kv_gaps']:g} gaps,"
+        f" {s['kv_replays']:g} replays, {s['kv_engine_restarts_seen']:g} engine restarts seen."
+        f" In flight at the end: {_fmt(s['in_flight_at_end'], 'g')}. EPP alive at the end:"
+        f" {'yes' if document['epp_alive_at_end'] else 'NO'}.",
+    ]
+    if document["restart_failures"] or document["sample_failures"]:
+        lines += [
+            "",
+            f"Pods that did not come back: {document['restart_failures'] or 'none'}; samples"
+            f" the EPP did not answer: {document['sample_failures']}.",
+        ]
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    if document["command"]:
+        lines += ["", f"`{document['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def _cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 0
+
+
+def run_soak(options: SoakOptions) -> dict[str, Any]:
+    return asyncio.run(run_soak_async(options))
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "soak",
+        help="a long steady load with pod restarts: EPP memory, index size, latency drift",
+        description="Run a steady load with pod churn through Envoy and the EPP for --minutes,"
+        " sampling the EPP's RSS, index size against its bound, p99 pick latency and errors."
+        " Writes results.json, report.md and soak.png.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--pods", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    parser.add_argument("--groups", type=int, default=20_000, help="prefix groups")
+    parser.add_argument("--system-len", type=int, default=256, help="tokens")
+    parser.add_argument("--question-len", type=int, default=32, help="tokens")
+    parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of the groups")
+    parser.add_argument(
+        "--churn-interval", type=float, default=60.0, help="seconds between pod restarts (0: none)"
+    )
+    parser.add_argument("--sample-interval", type=float, default=5.0, help="seconds")
+    parser.add_argument(
+        "--max-index-entries",
+        type=int,
+        default=12_000,
+        help="the index bound (below the pods' total KV blocks, so it is exercised)",
+    )
+    parser.add_argument("--num-gpu-blocks", type=int, default=4_000, help="per pod")
+    parser.add_argument("--time-scale", type=float, default=0.05, help="the pods' time scale")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("out/soak"))
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.minutes <= 0 or args.pods < 1 or args.rate <= 0 or args.sample_interval <= 0:
+        print(
+            "error: --minutes, --pods, --rate and --sample-interval must be positive",
+            file=sys.stderr,
+        )
+        return 2
+    options = SoakOptions(
+        out_dir=args.out,
+        minutes=args.minutes,
+        pods=args.pods,
+        rate=args.rate,
+        groups=args.groups,
+        system_len=args.system_len,
+        question_len=args.question_len,
+        skew=args.skew,
+        churn_interval_s=args.churn_interval,
+        sample_interval_s=args.sample_interval,
+        max_index_entries=args.max_index_entries,
+        num_gpu_blocks=args.num_gpu_blocks,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        command="python -m bench " + shlex.join(argv),
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        document = run_soak(options)
+        print(report(document), end="")
+        print(f"results: {args.out / 'results.json'}, {args.out / 'report.md'}")
+        summary = document["summary"]
+        healthy = (
+            document["epp_alive_at_end"]
+            and summary["errors_other"] == 0
+            and summary["index_within_bound"] is not False
+        )
+        return 0 if healthy else 1
+    print("\ninterrupted: everything started was stopped", file=sys.stderr)
+    return 130
+
+
+__all__ = ["SoakOptions", "add_parser", "command", "report", "run_soak", "summarize"]

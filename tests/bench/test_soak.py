@@ -1,0 +1,99 @@
+"""`python -m bench soak`: a short run of the real thing (pods killed and restarted
+under load, through Envoy and the EPP), and the arithmetic of its summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import main
+from bench.longrun import PrefixSpace, parse_samples, quantile
+from bench.soak import SoakOptions, run_soak
+
+
+def test_a_short_soak_with_churn(tmp_path: Path) -> None:
+    document = run_soak(
+        SoakOptions(
+            out_dir=tmp_path,
+            minutes=0.2,
+            pods=2,
+            rate=8.0,
+            groups=200,
+            churn_interval_s=4.0,
+            sample_interval_s=2.0,
+            max_index_entries=300,  # far below what the pods cache: the bound must act
+        )
+    )
+    summary = document["summary"]
+    assert summary["kills"] >= 1
+    assert summary["requests"] > 40
+    # Failures only around a kill (in flight to the pod, or routed before the EPP
+    # saw it go); none otherwise.
+    assert summary["errors_other"] == 0, summary
+    assert summary["ok"] > 0.8 * summary["requests"]
+    assert document["epp_alive_at_end"]
+    assert summary["in_flight_at_end"] == 0
+    # The index stayed within its bound, which had to evict.
+    assert summary["index_bound"] == 300
+    assert summary["index_within_bound"]
+    assert summary["index_evicted_entries"] > 0
+    assert summary["kv_engine_restarts_seen"] >= 1
+    samples = document["samples"]
+    assert len(samples) >= 5
+    assert all(s["rss_bytes"] and s["rss_bytes"] > 10 * 2**20 for s in samples)
+    assert any(s["pick_p99_s"] is not None for s in samples)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["summary"] == summary
+    report = (tmp_path / "report.md").read_text()
+    assert "| EPP RSS |" in report
+    assert "![soak.png](soak.png)" in report
+    assert (tmp_path / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_histogram_quantile_between_two_readings() -> None:
+    before = {0.001: 10.0, 0.01: 10.0, 0.1: 10.0, math.inf: 10.0}
+    # 100 more observations: 90 under 1 ms, 9 more under 10 ms, 1 more under 100 ms.
+    now = {0.001: 100.0, 0.01: 109.0, 0.1: 110.0, math.inf: 110.0}
+    assert quantile(0.5, now, before) == pytest.approx(0.001 * 50 / 90)
+    assert quantile(0.99, now, before) == pytest.approx(0.001 + 0.009 * 9 / 9)
+    assert quantile(0.999, now, before) == pytest.approx(0.01 + 0.09 * 0.9)
+    assert quantile(0.5, before, before) is None  # nothing observed in between
+    # Beyond the last finite bound: that bound.
+    assert quantile(1.0, {0.1: 0.0, math.inf: 5.0}) == 0.1
+
+
+def test_parse_samples_reads_labels_and_values() -> None:
+    text = (
+        "# HELP x_total a counter\n"
+        'x_total{endpoint="a",result="requested"} 3.0\n'
+        'x_total{endpoint="b",result="failed"} 1.0\n'
+        "y 2.5e-3\n"
+    )
+    samples = parse_samples(text)
+    assert samples["x_total"] == [
+        ({"endpoint": "a", "result": "requested"}, 3.0),
+        ({"endpoint": "b", "result": "failed"}, 1.0),
+    ]
+    assert samples["y"] == [({}, 0.0025)]
+
+
+def test_the_prefix_space_is_skewed_and_reproducible() -> None:
+    import random
+
+    space = PrefixSpace(groups=1000, system_len=32, question_len=4, skew=1.0, seed=3)
+    rng = random.Random(0)
+    draws = [space.draw(rng) for _ in range(5000)]
+    assert min(draws) >= 0
+    assert max(draws) < 1000
+    assert draws.count(0) > draws.count(500) * 20  # rank 1 against rank 501
+    assert space.prompt(7, 1)[:32] == space.prompt(7, 2)[:32] == space.system(7)
+    assert space.prompt(7, 1) != space.prompt(7, 2)
+    assert PrefixSpace(groups=1000, system_len=32, seed=3).system(7) == space.system(7)
+
+
+def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["soak", "--minutes", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err

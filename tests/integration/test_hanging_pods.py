@@ -1,0 +1,135 @@
+"""Model servers that hang, behind real Envoy and `epp serve` with the
+stale-metrics filter: a /metrics page that never comes, and a pod that accepts
+connections and never answers anything (a frozen process: the kernel still
+completes the handshakes). The EPP must never hang with them: it keeps routing
+other requests, marks the pod stale with the reason in /debug/endpoints, sends it
+nothing more, and releases what it counted in flight there once the clients give
+up. Both recover when the pod answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.integration.faults import (
+    Load,
+    Stack,
+    debug_endpoints,
+    eventually,
+    precise_config,
+    prompt,
+    running,
+    send,
+    sim_pods,
+)
+
+# Tighter than the defaults (1 s scrape timeout, 2 s staleness), so the test is short.
+EPP_ARGS = ["--metrics-scrape-timeout", "300ms", "--metrics-staleness-threshold", "1s"]
+CLIENT_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("hanging")
+    config = precise_config(filters=("header-based-testing-filter", "stale-metrics-filter"))
+    with running(workdir, sim_pods(workdir, 3), config=config, epp_args=EPP_ARGS) as started:
+        yield started
+
+
+async def _entries(session: aiohttp.ClientSession, stack: Stack) -> dict[str, dict[str, Any]]:
+    return await debug_endpoints(session, stack)
+
+
+async def _fresh(session: aiohttp.ClientSession, stack: Stack) -> bool:
+    return all(not e["metrics"]["stale"] for e in (await _entries(session, stack)).values())
+
+
+async def _stale(session: aiohttp.ClientSession, stack: Stack, name: str) -> dict[str, Any] | None:
+    entry = (await _entries(session, stack))[name]
+    return entry if entry["metrics"]["stale"] else None
+
+
+async def test_a_metrics_page_that_never_comes(stack: Stack) -> None:
+    pod = stack.pods["sim-2"]
+    async with aiohttp.ClientSession() as session:
+        await eventually(lambda: _fresh(session, stack), "every pod scraped")
+        async with session.post(
+            f"http://{pod.address}/sim/metrics-delay", json={"seconds": 30}
+        ) as response:
+            assert response.status == 200
+        try:
+            entry = await eventually(lambda: _stale(session, stack, "sim-2"), "sim-2 stale")
+            reason = str(entry["metrics"]["reason"])
+            assert reason.startswith("stale: last good scrape"), reason
+            assert "no answer within 0.3s" in reason
+            # The other pods stay fresh, and the requests go to them only.
+            others = await _entries(session, stack)
+            assert not others["sim-0"]["metrics"]["stale"]
+            assert not others["sim-1"]["metrics"]["stale"]
+            for n in range(12):
+                status, served = await send(session, stack.url, prompt(n, n))
+                assert status == 200
+                assert served != "sim-2"
+        finally:
+            async with session.post(
+                f"http://{pod.address}/sim/metrics-delay", json={"seconds": 0}
+            ) as response:
+                assert response.status == 200
+        await eventually(lambda: _fresh(session, stack), "sim-2 fresh again")
+
+
+async def test_a_pod_that_accepts_connections_and_never_answers(stack: Stack) -> None:
+    frozen = stack.pods["sim-1"]
+    async with aiohttp.ClientSession() as session:
+        await eventually(lambda: _fresh(session, stack), "every pod scraped")
+        load = Load(stack.url, timeout_s=CLIENT_TIMEOUT_S).start()
+        await asyncio.sleep(1.0)
+        frozen_at = time.monotonic()
+        stack.pods.freeze("sim-1")
+        try:
+            entry = await eventually(lambda: _stale(session, stack, "sim-1"), "sim-1 stale")
+            detected = time.monotonic()
+            reason = str(entry["metrics"]["reason"])
+            assert "no answer within 0.3s" in reason, reason
+            # A request that can only go there (the testing header names it; the
+            # stale filter keeps it rather than refuse everything) hangs at the pod,
+            # not in the EPP: other requests go on meanwhile.
+            forced = asyncio.create_task(
+                send(
+                    session,
+                    stack.url,
+                    prompt(50, 0),
+                    {"test-epp-endpoint-selection": frozen.address},
+                    timeout_s=CLIENT_TIMEOUT_S,
+                )
+            )
+            await asyncio.sleep(1.5)
+            with pytest.raises(TimeoutError):
+                await forced
+            outcomes = await load.stop()
+            # Every request the clients gave up on is no longer counted in flight.
+            await eventually(
+                lambda: _in_flight(session, stack, 0), "no request left in flight", 15.0
+            )
+        finally:
+            stack.pods.thaw("sim-1")
+        await eventually(lambda: _fresh(session, stack), "sim-1 fresh again")
+        only_sim1 = {"test-epp-endpoint-selection": frozen.address}
+        assert await send(session, stack.url, prompt(51, 0), only_sim1) == (200, "sim-1")
+
+    # Only requests routed there before the EPP knew hang (and time out); every
+    # later one succeeds elsewhere.
+    hung = [o for o in outcomes if not o.ok]
+    assert all(o.started < detected and o.ended > frozen_at for o in hung), hung
+    later = [o for o in outcomes if o.started >= detected]
+    assert later
+    assert all(o.ok and o.pod != "sim-1" for o in later), later
+
+
+async def _in_flight(session: aiohttp.ClientSession, stack: Stack, expected: int) -> bool:
+    return sum(e["inFlight"] for e in (await _entries(session, stack)).values()) == expected
