@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 from epp.datastore import WAITING, Endpoint
 from epp.requests import InferenceRequest
-from epp.scheduling import METRICS, CycleState, PluginContext
-
-NEUTRAL: Final = 0.5
+from epp.scheduling import METRICS, CycleState, PluginContext, fewer_is_better
 
 
 class QueueScorer:
@@ -35,11 +32,4 @@ class QueueScorer:
     ) -> Mapping[Endpoint, float]:
         now = time.monotonic()
         queues = {e: e.metrics.waiting_requests for e in endpoints if e.metrics.known(WAITING, now)}
-        if not queues:
-            return dict.fromkeys(endpoints, NEUTRAL)
-        low, high = min(queues.values()), max(queues.values())
-        span = high - low
-        return {
-            e: NEUTRAL if e not in queues else 1.0 if span == 0 else (high - queues[e]) / span
-            for e in endpoints
-        }
+        return fewer_is_better(endpoints, queues)

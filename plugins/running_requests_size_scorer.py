@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 from epp.datastore import RUNNING, Endpoint
 from epp.requests import InferenceRequest
-from epp.scheduling import METRICS, CycleState, PluginContext
-
-NEUTRAL: Final = 0.5
+from epp.scheduling import METRICS, CycleState, PluginContext, fewer_is_better
 
 
 class RunningRequestsSizeScorer:
@@ -36,11 +33,4 @@ class RunningRequestsSizeScorer:
         running = {
             e: e.metrics.running_requests for e in endpoints if e.metrics.known(RUNNING, now)
         }
-        if not running:
-            return dict.fromkeys(endpoints, NEUTRAL)
-        low, high = min(running.values()), max(running.values())
-        span = high - low
-        return {
-            e: NEUTRAL if e not in running else 1.0 if span == 0 else (high - running[e]) / span
-            for e in endpoints
-        }
+        return fewer_is_better(endpoints, running)

@@ -26,6 +26,7 @@ from epp.scheduling.interfaces import (
 )
 from epp.scheduling.types import (
     EXPLAIN_NOTES,
+    NEUTRAL_SCORE,
     PRIORITY,
     CycleState,
     ProfileResult,
@@ -35,11 +36,13 @@ from epp.scheduling.types import (
     StateKey,
     Usage,
     explain_note,
+    fewer_is_better,
 )
 
 __all__ = [
     "EXPLAIN_NOTES",
     "METRICS",
+    "NEUTRAL_SCORE",
     "PRIORITY",
     "Admitter",
     "Background",
@@ -68,4 +71,5 @@ __all__ = [
     "StateKey",
     "Usage",
     "explain_note",
+    "fewer_is_better",
 ]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Final, Generic, TypeVar, cast
 
 from epp.datastore import Endpoint
 
@@ -118,3 +118,24 @@ class ResponseInfo:
     status: int | None = None  # HTTP status of the response; None if none was seen
     usage: Usage | None = None
     duration_s: float = 0.0  # from the pick to the end of the response
+
+
+NEUTRAL_SCORE: Final = 0.5
+
+
+def fewer_is_better(
+    endpoints: Sequence[Endpoint], counts: Mapping[Endpoint, float]
+) -> dict[Endpoint, float]:
+    """Min-max scores for a load count where fewer is better (queue-scorer,
+    running-requests-size-scorer): (max - c) / (max - min), 1.0 for all when every
+    known count is the same. Endpoints missing from `counts` (stale metrics, or the
+    count not reported) score NEUTRAL_SCORE and stay out of min and max, so they
+    cannot distort the others' scale."""
+    if not counts:
+        return dict.fromkeys(endpoints, NEUTRAL_SCORE)
+    low, high = min(counts.values()), max(counts.values())
+    span = high - low
+    return {
+        e: NEUTRAL_SCORE if e not in counts else 1.0 if span == 0 else (high - counts[e]) / span
+        for e in endpoints
+    }
