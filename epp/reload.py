@@ -158,9 +158,8 @@ class ConfigRuntime:
                     users,
                 )
                 try:
-                    await asyncio.wait_for(
-                        self.director.wait_idle(old.config), self.drain_timeout_s
-                    )
+                    async with asyncio.timeout(self.drain_timeout_s):
+                        await self.director.wait_idle(old.config)
                 except TimeoutError:
                     log.warning(
                         "config: %d request(s) still hold the previous config after %.0fs;"

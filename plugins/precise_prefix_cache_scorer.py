@@ -38,7 +38,13 @@ from prometheus_client.registry import Collector
 from epp.datastore import Endpoint
 from epp.durations import Duration, parse_duration
 from epp.kvindex.alignment import AlignmentChecker
-from epp.kvindex.hashing import DEFAULT_HASH_SEED, EngineHasher, HashContext, PromptBlocks
+from epp.kvindex.hashing import (
+    DEFAULT_HASH_SEED,
+    DEFAULT_MEMO_BLOCKS,
+    EngineHasher,
+    HashContext,
+    PromptBlocks,
+)
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.ingest import PreciseIndex
 from epp.kvindex.lookup import PrefixMatch, longest_prefix
@@ -125,7 +131,7 @@ class PrecisePrefixParameters(msgspec.Struct, forbid_unknown_fields=True, rename
     inline_tokenize_chars: Annotated[int, msgspec.Meta(ge=0)] = 2_000
     tokenizer_workers: _Positive = 2
     # Recent blocks whose hash is remembered (a repeated prefix costs a lookup).
-    hash_cache_blocks: _Positive = 50_000
+    hash_cache_blocks: _Positive = DEFAULT_MEMO_BLOCKS
     # Only a prompt's first blocks are hashed and matched (GIE's names): bounds the
     # work a very long prompt costs at pick time. 8192 blocks of 16 tokens are
     # 131,072 tokens. maxPrefixTokensToMatch, when set, wins (as tokens // blockSize

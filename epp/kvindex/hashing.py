@@ -155,8 +155,16 @@ class HashContext:
 _MemoKey = tuple[bytes, bytes, ExtraKeys]
 
 
+# The memo's default size. A block in the memo costs about 380 bytes (its key,
+# digest and the digest-by-key entry), so 16,384 blocks (262,144 tokens of prefix
+# at 16 tokens a block) hold about 6 MB; a 50,000-block memo filled so slowly under
+# a long tail of prompts that it looked like a leak for the first half hour.
+DEFAULT_MEMO_BLOCKS: Final = 16_384
+
+
 class EngineHasher:
-    """Chained block hashes for one engine configuration, with a memo of recent blocks.
+    """Chained block hashes for one engine configuration, with a memo of the most
+    recently used blocks (least recently used first out: a hot system prompt stays).
 
     Not thread-safe: used from the event loop only."""
 
@@ -166,8 +174,8 @@ class EngineHasher:
         seed: str = DEFAULT_HASH_SEED,
         block_size: int = 16,
         extra_keys_format: ExtraKeysFormat = "tagged",
-        memo_blocks: int = 50_000,
-        digest_keys: int = 50_000,
+        memo_blocks: int = DEFAULT_MEMO_BLOCKS,
+        digest_keys: int = DEFAULT_MEMO_BLOCKS,
     ) -> None:
         if block_size < 1:
             raise ValueError("the block size must be >= 1")
@@ -202,13 +210,14 @@ class EngineHasher:
     def child(self, parent: bytes, block: bytes, extra: ExtraKeys) -> tuple[bytes, int]:
         """(digest, key) of the block `block` (token bytes) after `parent`, memoised."""
         memo_key = (parent, block, extra)
-        hit = self._memo.get(memo_key)
+        memo = self._memo
+        hit = memo.pop(memo_key, None)
         if hit is not None:
+            memo[memo_key] = hit  # most recently used: to the end
             return hit
         digest = self._digest((parent, self._unpack(block), extra))
         key = int.from_bytes(digest[-8:], "big")
         hit = (digest, key)
-        memo = self._memo
         if len(memo) >= self._memo_max:
             _drop_oldest(memo, self._memo_max // 4)
         memo[memo_key] = hit
@@ -284,10 +293,14 @@ class PromptBlocks:
         start = i * bb
         block = self.data[start : start + bb]
         extra = self._extra0 if i == 0 else self._extra_rest
-        # The memo hit inlined (the pick path's commonest case); a miss hashes.
-        hit = self._memo.get((self._parent, block, extra))
+        # The memo hit inlined (the pick path's commonest case): taken out and put
+        # back at the end, as the most recently used; a miss hashes.
+        memo_key = (self._parent, block, extra)
+        hit = self._memo.pop(memo_key, None)
         if hit is None:
             hit = self._hasher.child(self._parent, block, extra)
+        else:
+            self._memo[memo_key] = hit
         self._parent, key = hit
         keys.append(key)
         return key

@@ -10,15 +10,21 @@ bytes, and a response read into a reused buffer by a small protocol that knows
 `Content-Length`, chunked bodies, gzip/deflate and read-until-close. Anything else
 (TLS, proxies, redirects) is left to the aiohttp path of the metrics source.
 
-One `KeepAliveFetcher` serves one URL and runs one request at a time; a request that
-times out or fails closes the connection (a late answer must not be read as the next
-one), and the next request opens a new one.
+One `KeepAliveFetcher` serves one URL and runs one request at a time. It is driven
+by callbacks, not awaited: `request()` writes the request and returns, and the
+answer (or the error) is handed to the fetcher's callbacks from the event loop's
+read callback. Awaiting each scrape cost a future, a task wakeup and a timer per
+request, about a fifth of a scrape's CPU at 2,560 scrapes a second; the caller
+keeps the time instead (`abort()`). A request that is aborted or fails closes the
+connection (a late answer must not be read as the next one), and the next request
+opens a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import Callable
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -44,13 +50,14 @@ MIN_FREE_BYTES: Final = 16 * 1024
 
 
 class _Response(asyncio.BufferedProtocol):
-    """Reads responses off one connection; one outstanding request at a time."""
+    """Reads responses off one connection; one outstanding request at a time, whose
+    outcome goes to `owner` (None: nobody is waiting for an answer)."""
 
     def __init__(self, max_body_bytes: int) -> None:
         self.max_body_bytes = max_body_bytes
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.owner: KeepAliveFetcher | None = None
         self.buffer = bytearray(INITIAL_BUFFER_BYTES)
         self.filled = 0  # bytes of the current response in `buffer`
         self._reset()
@@ -69,9 +76,9 @@ class _Response(asyncio.BufferedProtocol):
         self.chunk_bytes = 0
         self.received = 0
 
-    def expect(self, waiter: asyncio.Future[tuple[int, bytes]]) -> None:
+    def expect(self, owner: KeepAliveFetcher) -> None:
         self._reset()
-        self.waiter = waiter
+        self.owner = owner
 
     # -- asyncio.BufferedProtocol ----------------------------------------------
 
@@ -89,7 +96,7 @@ class _Response(asyncio.BufferedProtocol):
         return memoryview(self.buffer)[self.filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.waiter is None or self.waiter.done():
+        if self.owner is None:
             # Bytes nobody asked for: the connection is out of step; drop it.
             self._close()
             return
@@ -103,8 +110,7 @@ class _Response(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
-        waiter = self.waiter
-        if waiter is None or waiter.done():
+        if self.owner is None:
             return
         if self.header_end >= 0 and self.length < 0 and not self.chunked:
             # No length given: the body is everything up to the close.
@@ -140,33 +146,32 @@ class _Response(asyncio.BufferedProtocol):
         return bytes(memoryview(self.buffer)[start:end])
 
     def _read_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(None, 2)
+        line_end = head.find(b"\r\n")
+        parts = (head if line_end < 0 else head[:line_end]).split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise FetchError("the answer is not HTTP/1.x")
         self.status = int(parts[1])
         if parts[0] == b"HTTP/1.0":
             self.keep_alive = False
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                continue
-            name = name.strip().lower()
-            value = value.strip()
-            if name == b"content-length":
-                if not value.isdigit():
-                    raise FetchError(f"bad Content-Length {value!r}")
-                self.length = int(value)
-            elif name == b"transfer-encoding":
-                self.chunked = b"chunked" in value.lower()
-            elif name == b"connection":
-                lowered = value.lower()
-                if lowered == b"close":
-                    self.keep_alive = False
-                elif lowered == b"keep-alive":
-                    self.keep_alive = True
-            elif name == b"content-encoding":
-                self.encoding = value.lower()
+        if line_end < 0:
+            return
+        # The four fields that matter, found in the lowered header block (a loop
+        # over every line cost as much as the rest of the response's handling).
+        fields = head[line_end:].lower() + b"\r\n"
+        length = _field(fields, b"\r\ncontent-length:")
+        if length is not None:
+            if not length.isdigit():
+                raise FetchError(f"bad Content-Length {length!r}")
+            self.length = int(length)
+        encoding = _field(fields, b"\r\ntransfer-encoding:")
+        if encoding is not None:
+            self.chunked = b"chunked" in encoding
+        connection = _field(fields, b"\r\nconnection:")
+        if connection == b"close":
+            self.keep_alive = False
+        elif connection == b"keep-alive":
+            self.keep_alive = True
+        self.encoding = _field(fields, b"\r\ncontent-encoding:") or b""
         if self.length > self.max_body_bytes:
             raise FetchError(f"the page is over {self.max_body_bytes} bytes")
 
@@ -206,36 +211,46 @@ class _Response(asyncio.BufferedProtocol):
     # -- outcomes ----------------------------------------------------------------
 
     def _finish(self, body: bytes, response_end: int) -> None:
-        waiter = self.waiter
-        self.waiter = None
+        owner = self.owner
+        self.owner = None
         if self.filled > response_end:
             # More than one answer to one request: out of step, do not reuse.
             self.keep_alive = False
         self.filled = 0
         if not self.keep_alive:
             self._close()
-        if waiter is None or waiter.done():
+        if owner is None:
             return
         try:
             body = _decode(body, self.encoding)
         except FetchError as exc:
-            waiter.set_exception(exc)
+            owner._failed(self, exc)
             return
-        waiter.set_result((self.status, body))
+        owner._answered(self, self.status, body)
 
     def _fail(self, exc: Exception) -> None:
-        waiter = self.waiter
-        self.waiter = None
+        owner = self.owner
+        self.owner = None
         self.filled = 0
         self._close()
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+        if owner is not None:
+            owner._failed(self, exc)
 
     def _close(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def _field(fields: bytes, name: bytes) -> bytes | None:
+    """A header field's value (lowered) from `fields`, the lowered header lines,
+    each after a CRLF and ending with one; `name` is CRLF, the name and a colon."""
+    at = fields.find(name)
+    if at < 0:
+        return None
+    start = at + len(name)
+    return fields[start : fields.find(b"\r\n", start)].strip()
 
 
 def _decode(body: bytes, encoding: bytes) -> bytes:
@@ -252,10 +267,25 @@ def _decode(body: bytes, encoding: bytes) -> bytes:
     raise FetchError(f"unsupported Content-Encoding {encoding.decode(errors='replace')!r}")
 
 
-class KeepAliveFetcher:
-    """GETs one `http://` URL over a kept-alive connection."""
+OnAnswer = Callable[[int, bytes], None]
+OnError = Callable[[Exception], None]
 
-    def __init__(self, url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+
+class KeepAliveFetcher:
+    """GETs one `http://` URL over a kept-alive connection, one request at a time.
+
+    `request()` starts a GET and returns at once; `on_answer(status, body)` or
+    `on_error(exc)` is called when it ends (OSError: connect, reset; FetchError:
+    not a usable answer), from an event-loop callback. The caller bounds the time:
+    `abort()` drops the outstanding request (no callback) and its connection."""
+
+    def __init__(
+        self,
+        url: str,
+        on_answer: OnAnswer,
+        on_error: OnError,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"{url!r} is not an http:// URL")
@@ -269,44 +299,86 @@ class KeepAliveFetcher:
             "Accept-Encoding: identity\r\nUser-Agent: epp-metrics\r\n\r\n"
         ).encode("latin-1")
         self.max_body_bytes = max_body_bytes
+        self._on_answer = on_answer
+        self._on_error = on_error
         self._protocol: _Response | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self.busy = False  # a request is outstanding
+        self._reused = False  # ... on a connection that served an earlier one
 
-    async def get(self) -> tuple[int, bytes]:
-        """(status, body). Raises OSError (connect, reset) or FetchError. The caller
-        bounds the time; a cancelled request closes the connection."""
-        reused = self._protocol is not None and not self._protocol.closed
-        try:
-            return await self._get()
-        except ClosedBeforeAnswer:
-            # A kept-alive connection the server closed while idle fails on its
-            # first use without a byte of answer: that is not the server failing,
-            # so try once more on a new connection.
-            if not reused:
-                raise
-            return await self._get()
-
-    async def _get(self) -> tuple[int, bytes]:
-        loop = asyncio.get_running_loop()
+    def request(self) -> None:
+        """Start a GET; its outcome goes to the callbacks. Must run in the event
+        loop, with no request outstanding."""
+        if self.busy:
+            raise RuntimeError("a request is already outstanding")
+        self.busy = True
         protocol = self._protocol
-        if protocol is None or protocol.closed or protocol.transport is None:
-            max_body = self.max_body_bytes
+        if protocol is not None and protocol.transport is not None and not protocol.closed:
+            self._reused = True
+            self._send(protocol)
+        else:
+            self._connect()
+
+    def abort(self) -> None:
+        """Drop the outstanding request, if any, and the connection: whatever comes
+        later on it would be read as the answer to the next request."""
+        self.busy = False
+        if self._connecting is not None:
+            self._connecting.cancel()
+            self._connecting = None
+        if self._protocol is not None:
+            self._protocol.owner = None
+            self._protocol._close()
+            self._protocol = None
+
+    close = abort
+
+    def _connect(self) -> None:
+        self._reused = False
+        self._connecting = asyncio.get_running_loop().create_task(self._open())
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        max_body = self.max_body_bytes
+        try:
             _, protocol = await loop.create_connection(
                 lambda: _Response(max_body), self.host, self.port
             )
-            self._protocol = protocol
-        waiter: asyncio.Future[tuple[int, bytes]] = loop.create_future()
-        protocol.expect(waiter)
+        except OSError as exc:
+            self._connecting = None
+            self.busy = False
+            self._on_error(exc)
+            return
+        self._connecting = None
+        if not self.busy:  # aborted while connecting
+            protocol._close()
+            return
+        self._protocol = protocol
+        self._send(protocol)
+
+    def _send(self, protocol: _Response) -> None:
+        protocol.expect(self)
         assert protocol.transport is not None
         protocol.transport.write(self._request)
-        try:
-            return await waiter
-        except BaseException:
-            # Timeout, cancellation or a broken answer: whatever comes later on this
-            # connection would be read as the answer to the next request.
-            self.close()
-            raise
 
-    def close(self) -> None:
-        if self._protocol is not None:
-            self._protocol._close()
-            self._protocol = None
+    # Called by the protocol.
+
+    def _answered(self, protocol: _Response, status: int, body: bytes) -> None:
+        if protocol is not self._protocol or not self.busy:
+            return
+        self.busy = False
+        self._on_answer(status, body)
+
+    def _failed(self, protocol: _Response, exc: Exception) -> None:
+        if protocol is not self._protocol or not self.busy:
+            return
+        self._protocol = None
+        protocol._close()
+        if isinstance(exc, ClosedBeforeAnswer) and self._reused:
+            # A kept-alive connection the server closed while idle fails on its
+            # first use without a byte of answer: that is not the server failing,
+            # so try once more on a new connection.
+            self._connect()
+            return
+        self.busy = False
+        self._on_error(exc)

@@ -467,10 +467,12 @@ class KVEventStream:
             dealer.connect(self.replay_address)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
+                # asyncio.timeout, not wait_for: on Python 3.11, wait_for loses a
+                # cancellation that arrives as the reply does, and the stream then
+                # outlives its cancel (seen as a hung shutdown under load).
                 try:
-                    frames = await asyncio.wait_for(
-                        dealer.recv_multipart(), self.settings.replay_timeout_s
-                    )
+                    async with asyncio.timeout(self.settings.replay_timeout_s):
+                        frames = await dealer.recv_multipart()
                 except TimeoutError:
                     return _ReplayOutcome.FAILED
                 parsed = self._replay_reply(frames)

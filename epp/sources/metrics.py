@@ -62,14 +62,14 @@ import math
 import re
 import ssl
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from epp.datastore import (
@@ -251,6 +251,43 @@ class Sample:
 # Label sets parsed before, by their text: info series (LoRA, cache config) carry
 # the same labels scrape after scrape, and parsing them is most of a page's cost.
 LABEL_CACHE_SIZE: Final = 4096
+# Series read before, by the bytes of their sample lines (a pod's queue length or
+# LoRA state takes the same few values again and again), per series name: a KV
+# usage that is new on every page must not flush the others.
+SERIES_CACHE_SIZE: Final = 1024
+# Sample-line blocks longer than this are read, not cached.
+MAX_CACHED_BLOCK_BYTES: Final = 2048
+
+
+class SeriesRead:
+    """A series read off a page: its samples, a note per line that could not be
+    read, and the facts derived from it (`_Page.derive`), kept with it: a read
+    shared by every page with the same lines is derived from once."""
+
+    __slots__ = ("facts", "problems", "samples")
+
+    def __init__(self, samples: Sequence[Sample], problems: Sequence[str]) -> None:
+        self.samples = samples
+        self.problems = problems
+        self.facts: dict[tuple[str, str], tuple[object, Derived]] = {}
+
+
+# What a fact gives: the `EndpointMetrics` fields, and why it is unknown (or None).
+Derived = tuple[dict[str, object], str | None]
+
+_NO_SERIES: Final = SeriesRead((), ())
+
+
+class ReadCache:
+    """What one page shares with the next, kept across pages (and endpoints: the
+    same bytes read the same whoever sent them). Each table is bounded crudely:
+    emptied when full, since the same few entries come back."""
+
+    __slots__ = ("labels", "series")
+
+    def __init__(self) -> None:
+        self.labels: dict[bytes, dict[str, str]] = {}
+        self.series: dict[str, dict[bytes, SeriesRead]] = {}
 
 
 # One name="value" pair of a label set; the value's pattern is the "unrolled loop"
@@ -296,31 +333,34 @@ def _family_of(name: bytes) -> bytes:
     return name
 
 
-def _sample_lines(page: bytes, name: bytes) -> list[bytes]:
-    """The sample lines of exactly the series `name`, each without the name (from
-    its label set or value to the end of the line).
-
-    The text format keeps all lines of a family together, so once the first sample
-    is found the others are among the lines right after it, up to the next family:
-    the rest of the page is not searched (a full search of a 40 KB page costs more
-    than reading the few lines the EPP needs)."""
+def _first_sample(page: bytes, name: bytes) -> int:
+    """Where the first sample line of exactly the series `name` starts; -1: none."""
     size = len(name)
     end = len(page)
     if page.startswith(name) and size < end and page[size] in _AFTER_NAME:
-        line = 0
-    else:
-        needle = b"\n" + name
-        pos = page.find(needle)
-        while pos >= 0:
-            after = pos + 1 + size
-            # The name must end here: `vllm:num_requests_waiting` is also the start
-            # of other metric names.
-            if after < end and page[after] in _AFTER_NAME:
-                break
-            pos = page.find(needle, after)
-        if pos < 0:
-            return []
-        line = pos + 1
+        return 0
+    needle = b"\n" + name
+    pos = page.find(needle)
+    while pos >= 0:
+        after = pos + 1 + size
+        # The name must end here: `vllm:num_requests_waiting` is also the start
+        # of other metric names.
+        if after < end and page[after] in _AFTER_NAME:
+            return pos + 1
+        pos = page.find(needle, after)
+    return -1
+
+
+def _sample_lines(page: bytes, name: bytes, line: int) -> list[bytes]:
+    """The sample lines of exactly the series `name` from its first one, at `line`,
+    each without the name (from its label set or value to the end of the line).
+
+    The text format keeps all lines of a family together, so the others are among
+    the lines right after the first, up to the next family: the rest of the page is
+    not searched (a full search of a 40 KB page costs more than reading the few
+    lines the EPP needs)."""
+    size = len(name)
+    end = len(page)
     lines: list[bytes] = []
     family: bytes | None = None
     while True:
@@ -349,15 +389,41 @@ def _sample_lines(page: bytes, name: bytes) -> list[bytes]:
 _AFTER_NAME: Final = frozenset(b"{ \t")
 
 
-def read_series(
-    page: bytes, name: str, label_cache: dict[bytes, dict[str, str]] | None = None
-) -> tuple[list[Sample], list[str]]:
+def read_series(page: bytes, name: str, cache: ReadCache | None = None) -> SeriesRead:
     """The samples of the series `name` on a Prometheus text page, and a note per
-    sample line that could not be read. `label_cache` keeps parsed label sets
-    across pages."""
+    sample line that could not be read. `cache` keeps what was read across pages.
+
+    What is cached is keyed by the block of lines from the series' first sample to
+    the next comment line (the next family's HELP or TYPE): every line the reading
+    could look at is in it, so the same block reads the same."""
+    encoded = name.encode("ascii")
+    start = _first_sample(page, encoded)
+    if start < 0:
+        return _NO_SERIES
+    if cache is None:
+        return _read_lines(_sample_lines(page, encoded, start), name, None)
+    comment = page.find(b"\n#", start)
+    stop = comment + 1 if comment >= 0 else len(page)
+    if stop - start > MAX_CACHED_BLOCK_BYTES:
+        return _read_lines(_sample_lines(page, encoded, start), name, cache.labels)
+    block = page[start:stop]
+    reads = cache.series.get(name)
+    if reads is None:
+        reads = cache.series[name] = {}
+    found = reads.get(block)
+    if found is None:
+        if len(reads) >= SERIES_CACHE_SIZE:
+            reads.clear()
+        found = reads[block] = _read_lines(_sample_lines(block, encoded, 0), name, cache.labels)
+    return found
+
+
+def _read_lines(
+    lines: list[bytes], name: str, label_cache: dict[bytes, dict[str, str]] | None
+) -> SeriesRead:
     samples: list[Sample] = []
     problems: list[str] = []
-    for line in _sample_lines(page, name.encode("ascii")):
+    for line in lines:
         raw_labels = b""
         if line[:1] == b"{":
             # Label values may hold `}`, but the value and timestamp after the set
@@ -378,7 +444,7 @@ def read_series(
             problems.append(f"{name}: value {fields[0][:20]!r} is not a number")
             continue
         samples.append(Sample(raw_labels, value, label_cache))
-    return samples, problems
+    return SeriesRead(tuple(samples), tuple(problems))
 
 
 def _matching(samples: Sequence[Sample], spec: MetricSpec) -> list[Sample]:
@@ -390,25 +456,52 @@ def _matching(samples: Sequence[Sample], spec: MetricSpec) -> list[Sample]:
 class _Page:
     """One page, each series read at most once."""
 
-    def __init__(self, page: bytes, label_cache: dict[bytes, dict[str, str]] | None) -> None:
+    def __init__(self, page: bytes, cache: ReadCache | None) -> None:
         self.page = page
-        self.label_cache = label_cache
-        self._series: dict[str, tuple[list[Sample], list[str]]] = {}
+        self.cache = cache
+        self._series: dict[str, SeriesRead] = {}
+
+    def series(self, name: str) -> SeriesRead:
+        found = self._series.get(name)
+        if found is None:
+            found = self._series[name] = read_series(self.page, name, self.cache)
+        return found
 
     def find(self, specs: Sequence[MetricSpec]) -> tuple[MetricSpec, list[Sample]] | str:
         """The first spec with matching samples and those samples, or why none."""
         notes: list[str] = []
         for spec in specs:
-            if spec.name not in self._series:
-                self._series[spec.name] = read_series(self.page, spec.name, self.label_cache)
-            samples, problems = self._series[spec.name]
-            matching = _matching(samples, spec)
+            series = self.series(spec.name)
+            matching = _matching(series.samples, spec)
             if matching:
                 return spec, matching
-            notes.extend(problems)
+            notes.extend(series.problems)
         if notes:
             return "; ".join(notes)
         return f"{' or '.join(str(s) for s in specs)} not on the page"
+
+    def derive(
+        self,
+        key: tuple[str, str],
+        specs: tuple[MetricSpec, ...],
+        compute: Callable[[MetricSpec, list[Sample]], Derived],
+    ) -> tuple[bool, Derived]:
+        """Whether a spec of `specs` has matching samples, and `compute` of the first
+        that has (or why none has). When that is the first spec, the outcome
+        depends on its series alone and is kept with it, under `key` (engine,
+        fact): the same lines on the next page cost a lookup, not a derivation."""
+        first = self.series(specs[0].name)
+        memo = first.facts.get(key)
+        if memo is not None and memo[0] is specs:
+            return True, memo[1]
+        found = self.find(specs)
+        if isinstance(found, str):
+            return False, ({}, found)
+        spec, samples = found
+        derived = compute(spec, samples)
+        if spec is specs[0]:
+            first.facts[key] = (specs, derived)
+        return True, derived
 
 
 _INF: Final = math.inf
@@ -437,83 +530,88 @@ def _adapters(text: str) -> frozenset[str]:
     return frozenset(part.strip() for part in text.split(",") if part.strip())
 
 
-def read_page(
-    page: bytes, engine: EngineSpec, label_cache: dict[bytes, dict[str, str]] | None = None
-) -> dict[str, object]:
+def _request_count(spec: MetricSpec, samples: list[Sample]) -> Derived:
+    return _gauge(spec, samples, None)
+
+
+def _kv_usage(spec: MetricSpec, samples: list[Sample]) -> Derived:
+    return _gauge(spec, samples, 1.0)
+
+
+def _gauge(spec: MetricSpec, samples: list[Sample], upper: float | None) -> Derived:
+    """Request counts are summed over the series (data-parallel engines), KV usage
+    is the highest."""
+    total = 0.0
+    highest = 0.0
+    for sample in samples:
+        value = sample.value
+        # The usual values (finite, >= 0, at most 1 for KV usage) pass with one
+        # comparison chain; anything else gets its reason.
+        if not ((0.0 <= value <= 1.0) if upper else (0.0 <= value < _INF)):
+            problem = _bad_value(value, spec, upper) or f"{spec} is {value}"
+            return {}, problem + (" (expected a fraction in [0, 1])" if upper else "")
+        total += value
+        highest = max(highest, value)
+    return {"": highest if upper else round(total)}, None
+
+
+def _lora(spec: MetricSpec, samples: list[Sample]) -> Derived:
+    # The gauge's value is when the series was set: the latest one is current.
+    latest = max(samples, key=lambda s: s.value if not math.isnan(s.value) else -1.0)
+    max_lora = _int_label(latest.labels, "max_lora")
+    if max_lora is None:
+        return {}, f"{spec} has no integer max_lora label"
+    return {
+        "running_adapters": _adapters(latest.labels.get("running_lora_adapters", "")),
+        "waiting_adapters": _adapters(latest.labels.get("waiting_lora_adapters", "")),
+        "max_adapters": max_lora,
+    }, None
+
+
+_GAUGES: Final = (
+    (WAITING, "waiting", "waiting_requests", _request_count),
+    (RUNNING, "running", "running_requests", _request_count),
+    (KV_CACHE_USAGE, "kv_usage", "kv_cache_usage", _kv_usage),
+)
+
+
+def read_page(page: bytes, engine: EngineSpec, cache: ReadCache | None = None) -> dict[str, object]:
     """The `EndpointMetrics` fields a page gives for `engine` (including `missing`).
 
     Raises `PageError` when none of the engine's request or KV metrics is on it."""
-    reader = _Page(page, label_cache)
+    reader = _Page(page, cache)
     values: dict[str, object] = {}
     missing: dict[str, str] = {}
     on_page = False  # whether any request or KV series of the engine is on the page
-
-    def lookup(fact: str, specs: tuple[MetricSpec, ...]) -> tuple[MetricSpec, list[Sample]] | None:
-        nonlocal on_page
+    name = engine.name
+    for fact, field_name, attr, compute in _GAUGES:
+        specs: tuple[MetricSpec, ...] = getattr(engine, field_name)
         if not specs:
-            missing[fact] = f"the {engine.name} engine config has no metric for it"
-            return None
-        found = reader.find(specs)
-        if isinstance(found, str):
-            missing[fact] = found
-            return None
-        on_page = True
-        return found
-
-    for fact, specs, attr in (
-        (WAITING, engine.waiting, "waiting_requests"),
-        (RUNNING, engine.running, "running_requests"),
-        (KV_CACHE_USAGE, engine.kv_usage, "kv_cache_usage"),
-    ):
-        found = lookup(fact, specs)
-        if found is None:
+            missing[fact] = f"the {name} engine config has no metric for it"
             continue
-        spec, samples = found
-        upper = 1.0 if fact == KV_CACHE_USAGE else None
-        total = 0.0
-        highest = 0.0
-        for sample in samples:
-            value = sample.value
-            # The usual values (finite, >= 0, at most 1 for KV usage) pass with
-            # one comparison chain; anything else gets its reason.
-            if not ((0.0 <= value <= 1.0) if upper else (0.0 <= value < _INF)):
-                problem = _bad_value(value, spec, upper) or f"{spec} is {value}"
-                missing[fact] = problem + (" (expected a fraction in [0, 1])" if upper else "")
-                break
-            total += value
-            highest = max(highest, value)
+        found, (fields, problem) = reader.derive((name, fact), specs, compute)
+        on_page = on_page or found
+        if problem is not None:
+            missing[fact] = problem
         else:
-            values[attr] = highest if upper else round(total)
+            values[attr] = fields[""]
 
     if not on_page:
         wanted = ", ".join(str(s) for s in (*engine.waiting, *engine.running, *engine.kv_usage))
         details = "; ".join(sorted(set(missing.values())))
         raise PageError(
-            f"none of the {engine.name} engine's metrics ({wanted}) is on the page"
-            f" ({details}): is this a {engine.name} server, with the right engine-type label?"
+            f"none of the {name} engine's metrics ({wanted}) is on the page"
+            f" ({details}): is this a {name} server, with the right engine-type label?"
         )
 
     if not engine.lora:
-        missing[LORA] = f"the {engine.name} engine reports no LoRA metric"
+        missing[LORA] = f"the {name} engine reports no LoRA metric"
     else:
-        lora = reader.find(engine.lora)
-        if isinstance(lora, str):
-            missing[LORA] = lora
+        _, (fields, problem) = reader.derive((name, LORA), engine.lora, _lora)
+        if problem is not None:
+            missing[LORA] = problem
         else:
-            spec, samples = lora
-            # The gauge's value is when the series was set: the latest one is current.
-            latest = max(samples, key=lambda s: s.value if not math.isnan(s.value) else -1.0)
-            max_lora = _int_label(latest.labels, "max_lora")
-            if max_lora is None:
-                missing[LORA] = f"{spec} has no integer max_lora label"
-            else:
-                values["running_adapters"] = _adapters(
-                    latest.labels.get("running_lora_adapters", "")
-                )
-                values["waiting_adapters"] = _adapters(
-                    latest.labels.get("waiting_lora_adapters", "")
-                )
-                values["max_adapters"] = max_lora
+            values.update(fields)
 
     _cache_info(reader, engine, values, missing)
 
@@ -538,22 +636,23 @@ def _cache_info(
     reader: _Page, engine: EngineSpec, values: dict[str, object], missing: dict[str, str]
 ) -> None:
     if engine.cache_info:
-        found = reader.find(engine.cache_info)
-        if isinstance(found, str):
-            missing[CACHE_INFO] = found
-            return
-        spec, samples = found
-        labels = samples[0].labels
-        block_size = _int_label(labels, engine.cache_block_size_label)
-        num_blocks = _int_label(labels, engine.cache_num_blocks_label)
-        if not block_size or not num_blocks:
-            missing[CACHE_INFO] = (
-                f"{spec} has no positive integer {engine.cache_block_size_label}"
-                f" and {engine.cache_num_blocks_label} labels"
-            )
-            return
-        values["block_size"] = block_size
-        values["num_gpu_blocks"] = num_blocks
+
+        def labelled(spec: MetricSpec, samples: list[Sample]) -> Derived:
+            labels = samples[0].labels
+            block_size = _int_label(labels, engine.cache_block_size_label)
+            num_blocks = _int_label(labels, engine.cache_num_blocks_label)
+            if not block_size or not num_blocks:
+                return {}, (
+                    f"{spec} has no positive integer {engine.cache_block_size_label}"
+                    f" and {engine.cache_num_blocks_label} labels"
+                )
+            return {"block_size": block_size, "num_gpu_blocks": num_blocks}, None
+
+        _, (fields, problem) = reader.derive((engine.name, CACHE_INFO), engine.cache_info, labelled)
+        if problem is not None:
+            missing[CACHE_INFO] = problem
+        else:
+            values.update(fields)
         return
     if engine.cache_block_size and engine.cache_num_blocks:
         sizes = reader.find(engine.cache_block_size)
@@ -599,7 +698,7 @@ class MetricsExtractor:
         self.engines: Mapping[str, EngineSpec] = merged
         self.default_engine = default_engine
         self.engine_label_key = engine_label_key
-        self._label_cache: dict[bytes, dict[str, str]] = {}
+        self._cache = ReadCache()
 
     def engine_for(self, endpoint: Endpoint) -> EngineSpec:
         """The endpoint's engine, from its engine-type label; PageError if the label
@@ -625,7 +724,7 @@ class MetricsExtractor:
         staleness_s: float = DEFAULT_STALENESS_S,
     ) -> EndpointMetrics:
         """The snapshot for a page scraped at `now`; PageError if unusable."""
-        values = read_page(data, self.engine_for(endpoint), self._label_cache)
+        values = read_page(data, self.engine_for(endpoint), self._cache)
         return EndpointMetrics(updated_at=now, staleness_s=staleness_s, **values)  # type: ignore[arg-type]
 
 
@@ -654,8 +753,9 @@ class ScrapeSettings:
 class _Target:
     endpoint: Endpoint
     url: str
-    fetcher: KeepAliveFetcher | None
-    task: asyncio.Task[None] | None = None
+    fetcher: KeepAliveFetcher | None = None  # plain http://; else `task`
+    task: asyncio.Task[None] | None = None  # the aiohttp scrape in progress
+    started_at: float | None = None  # loop time of the scrape in progress
     last_page: bytes | None = None
     failing: bool = False
     last_error: str | None = None
@@ -666,7 +766,14 @@ RESULTS: Final = ("ok", "unchanged", "timeout", "connect_error", "http_error", "
 
 class MetricsScraper:
     """Keeps every endpoint's `metrics` snapshot fresh. Built without I/O; `run()`
-    scrapes until cancelled, following the endpoint set as it changes."""
+    scrapes until cancelled, following the endpoint set as it changes.
+
+    One clock for all endpoints: every `interval_s` (on multiples of it on the
+    loop's clock) each endpoint whose previous scrape has ended gets a new one, so
+    the answers come back together and are read in a few wakeups of the event loop
+    (spreading the scrapes over the period cost about 40% more CPU per scrape:
+    one wakeup and context switch each). A scrape still waiting for its answer is
+    not doubled; once `timeout_s` has passed it is dropped as a timeout."""
 
     def __init__(
         self,
@@ -683,17 +790,11 @@ class MetricsScraper:
         # Built at the first https:// scrape (it reads certificate files).
         self._ssl: ssl.SSLContext | None = None
         self._running = False
+        # Scrapes by result, exposed as a counter at exposition time: a
+        # prometheus_client Counter's lock and checks were a tenth of a scrape's CPU.
+        self.results = dict.fromkeys(RESULTS, 0)
         registry = registry if registry is not None else CollectorRegistry()
-        scrapes = Counter(
-            "epp_metrics_scrapes",
-            "Scrapes of model-server /metrics pages, by result: ok, unchanged (the same"
-            " page as before, not parsed again), timeout, connect_error, http_error,"
-            " bad_page (none of the engine's metrics on it).",
-            ["result"],
-            registry=registry,
-        )
-        self._results = {result: scrapes.labels(result) for result in RESULTS}
-        registry.register(_StaleCollector(datastore))
+        registry.register(_ScraperCollector(self))
 
     def url_for(self, endpoint: Endpoint) -> str:
         if endpoint.spec.metrics_url:
@@ -704,23 +805,34 @@ class MetricsScraper:
     # -- lifecycle -------------------------------------------------------------
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.settings.interval_s
         self._running = True
         self.datastore.add_listener(self._membership)
         try:
             for endpoint in self.datastore.all_endpoints():
                 self._start(endpoint)
-            await asyncio.Event().wait()
+            next_at = (math.floor(loop.time() / interval) + 1) * interval
+            while True:
+                await asyncio.sleep(next_at - loop.time())
+                self._tick(loop)
+                next_at += interval
+                now = loop.time()
+                if next_at <= now:
+                    # The tick overran its period (a busy loop): go on at the next
+                    # one, without a burst of catch-up scrapes.
+                    next_at = (math.floor(now / interval) + 1) * interval
         finally:
             self._running = False
             self.datastore.remove_listener(self._membership)
             targets = list(self._targets.values())
             self._targets.clear()
+            tasks = [t.task for t in targets if t.task is not None]
             for target in targets:
                 self._stop(target)
-            for target in targets:
-                if target.task is not None:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await target.task
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if self._session is not None:
                 await self._session.close()
                 self._session = None
@@ -751,52 +863,83 @@ class MetricsScraper:
         if endpoint in self._targets:
             return
         url = self.url_for(endpoint)
-        fetcher = None
+        target = _Target(endpoint, url)
         if self.settings.http_client == "fast" and urlsplit(url).scheme == "http":
-            fetcher = KeepAliveFetcher(url, self.settings.max_page_bytes)
-        target = _Target(endpoint, url, fetcher)
-        target.task = asyncio.get_running_loop().create_task(
-            self._poll(target), name=f"metrics:{endpoint.name}"
-        )
+            target.fetcher = KeepAliveFetcher(
+                url,
+                lambda status, page: self._answered(target, status, page),
+                lambda exc: self._errored(target, exc),
+                self.settings.max_page_bytes,
+            )
         self._targets[endpoint] = target
 
     @staticmethod
     def _stop(target: _Target) -> None:
+        target.started_at = None
         if target.task is not None:
             target.task.cancel()
+            target.task = None
         if target.fetcher is not None:
             target.fetcher.close()
 
     # -- scraping ----------------------------------------------------------------
 
-    async def _poll(self, target: _Target) -> None:
-        loop = asyncio.get_running_loop()
-        interval = self.settings.interval_s
-        # Every endpoint is scraped on the same ticks (multiples of the interval on
-        # the loop's clock, so endpoints added later join them): the answers come
-        # back together and are read in a few wakeups of the event loop. Spreading
-        # the scrapes over the period instead cost about 40% more CPU per scrape
-        # (measured; docs/performance.md): one wakeup and context switch each.
-        next_at = (math.floor(loop.time() / interval) + 1) * interval
-        while True:
-            await asyncio.sleep(next_at - loop.time())
-            try:
-                await self.scrape(target)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                # A bug must not silently end this endpoint's scraping.
-                log.exception("metrics scrape of %s failed unexpectedly", target.endpoint.name)
-            next_at += interval
-            now = loop.time()
-            if next_at <= now:
-                # The scrape overran its period (a slow server, a busy loop): go on
-                # at the next tick, without a burst of catch-up scrapes.
-                next_at = (math.floor(now / interval) + 1) * interval
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        timeout = self.settings.timeout_s
+        for target in tuple(self._targets.values()):
+            if target.started_at is not None:
+                if now - target.started_at < timeout:
+                    continue  # still waiting for its answer
+                self._expire(target)
+            self._begin(target, now)
+        if timeout < self.settings.interval_s:
+            # A timeout shorter than the period is noticed before the next tick.
+            loop.call_at(now + timeout, self._expire_overdue, now)
 
-    async def _fetch(self, target: _Target) -> tuple[int, bytes]:
+    def _begin(self, target: _Target, now: float) -> None:
+        target.started_at = now
+        try:
+            if target.fetcher is not None:
+                target.fetcher.request()
+            else:
+                target.task = asyncio.get_running_loop().create_task(
+                    self._scrape_with_aiohttp(target), name=f"metrics:{target.endpoint.name}"
+                )
+        except Exception:
+            # A bug must not silently end this endpoint's scraping.
+            target.started_at = None
+            log.exception("metrics scrape of %s failed to start", target.endpoint.name)
+
+    def _expire_overdue(self, started_at: float) -> None:
+        for target in tuple(self._targets.values()):
+            if target.started_at == started_at:
+                self._expire(target)
+
+    def _expire(self, target: _Target) -> None:
+        target.started_at = None
         if target.fetcher is not None:
-            return await target.fetcher.get()
+            target.fetcher.abort()
+        if target.task is not None:
+            target.task.cancel()
+            target.task = None
+        self._failed(target, "timeout", f"no answer within {self.settings.timeout_s:g}s")
+
+    async def _scrape_with_aiohttp(self, target: _Target) -> None:
+        try:
+            status, page = await self._fetch_with_aiohttp(target)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if target.task is asyncio.current_task():
+                target.task = None
+                self._errored(target, exc)
+            return
+        if target.task is asyncio.current_task():
+            target.task = None
+            self._answered(target, status, page)
+
+    async def _fetch_with_aiohttp(self, target: _Target) -> tuple[int, bytes]:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 cookie_jar=aiohttp.DummyCookieJar(),
@@ -820,23 +963,35 @@ class MetricsScraper:
                 chunks.append(chunk)
             return response.status, b"".join(chunks)
 
-    async def scrape(self, target: _Target) -> None:
-        """One scrape of one endpoint; never raises for bad input."""
-        endpoint = target.endpoint
+    def _errored(self, target: _Target, exc: Exception) -> None:
+        """A scrape ended without an answer; never raises."""
+        target.started_at = None
         try:
-            async with asyncio.timeout(self.settings.timeout_s):
-                status, page = await self._fetch(target)
-        except TimeoutError:
-            self._failed(target, "timeout", f"no answer within {self.settings.timeout_s:g}s")
-            return
-        except (OSError, aiohttp.ClientError) as exc:
-            self._failed(
-                target, "connect_error", f"{type(exc).__name__}: {exc}", unreachable=_refused(exc)
-            )
-            return
-        except FetchError as exc:
-            self._failed(target, "bad_page", str(exc))
-            return
+            if isinstance(exc, FetchError):
+                self._failed(target, "bad_page", str(exc))
+            elif isinstance(exc, (OSError, aiohttp.ClientError)):
+                self._failed(
+                    target,
+                    "connect_error",
+                    f"{type(exc).__name__}: {exc}",
+                    unreachable=_refused(exc),
+                )
+            else:
+                raise exc
+        except Exception:
+            log.exception("metrics scrape of %s failed unexpectedly", target.endpoint.name)
+
+    def _answered(self, target: _Target, status: int, page: bytes) -> None:
+        """A scrape's answer; never raises for bad input."""
+        target.started_at = None
+        try:
+            self._read(target, status, page)
+        except Exception:
+            # A bug must not break the connection's callbacks or the scraping.
+            log.exception("metrics scrape of %s failed unexpectedly", target.endpoint.name)
+
+    def _read(self, target: _Target, status: int, page: bytes) -> None:
+        endpoint = target.endpoint
         now = time.monotonic()
         if status != 200:
             self._failed(target, "http_error", f"HTTP {status} from {target.url}")
@@ -844,7 +999,7 @@ class MetricsScraper:
         if page == target.last_page and not target.failing:
             # The same page as last time (an idle pod): same facts, fresh time.
             self._store(target, dataclasses.replace(endpoint.metrics, updated_at=now))
-            self._results["unchanged"].inc()
+            self.results["unchanged"] += 1
             return
         try:
             snapshot = self.extractor.extract(
@@ -856,7 +1011,7 @@ class MetricsScraper:
             return
         target.last_page = page
         self._store(target, snapshot)
-        self._results["ok"].inc()
+        self.results["ok"] += 1
         if target.failing:
             target.failing = False
             target.last_error = None
@@ -872,7 +1027,7 @@ class MetricsScraper:
     def _failed(
         self, target: _Target, result: str, message: str, unreachable: bool = False
     ) -> None:
-        self._results[result].inc()
+        self.results[result] += 1
         endpoint = target.endpoint
         previous = endpoint.metrics
         # Keep the last good values (and their time: they turn stale by age, or at
@@ -906,13 +1061,25 @@ def _refused(exc: BaseException) -> bool:
     )
 
 
-class _StaleCollector(Collector):
-    """`epp_metrics_stale_endpoints`, computed at exposition time."""
+class _ScraperCollector(Collector):
+    """`epp_metrics_scrapes_total` and `epp_metrics_stale_endpoints`, computed at
+    exposition time."""
 
-    def __init__(self, datastore: Datastore) -> None:
-        self.datastore = datastore
+    def __init__(self, scraper: MetricsScraper) -> None:
+        self.scraper = scraper
+        self.datastore = scraper.datastore
 
     def collect(self) -> Iterator[Metric]:
+        scrapes = CounterMetricFamily(
+            "epp_metrics_scrapes",
+            "Scrapes of model-server /metrics pages, by result: ok, unchanged (the same"
+            " page as before, not parsed again), timeout, connect_error, http_error,"
+            " bad_page (none of the engine's metrics on it).",
+            labels=["result"],
+        )
+        for result, count in self.scraper.results.items():
+            scrapes.add_metric([result], count)
+        yield scrapes
         now = time.monotonic()
         family = GaugeMetricFamily(
             "epp_metrics_stale_endpoints",

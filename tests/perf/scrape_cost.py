@@ -2,12 +2,14 @@
 
     .venv/bin/python -m tests.perf.scrape_cost --endpoints 128 --interval 0.05 --seconds 20
 
-Servers: `--servers` separate processes (aiohttp), each listening on its share of
-`--endpoints` ports and answering GET /metrics with a realistic vLLM page (about
+Servers: `--servers` separate processes (asyncio, prebuilt answers, so they take
+little of the machine), each listening on its share of `--endpoints` ports and
+answering every GET with a realistic vLLM page (about
 45 KB: process metrics, vLLM's gauges, counters and histograms, LoRA and cache
 info, the HTTP middleware's histograms). Each answer is one of 16 pages that
-differ in their numbers, so consecutive scrapes of one endpoint read a changed page,
-as on a busy pod (`--idle`: always the same page, as on an idle one).
+differ in their numbers, with a KV usage no other answer has, so every scrape
+reads a changed page, as on a busy pod (`--idle`: always the same page, as on an
+idle one).
 
 Client: this process runs the EPP's real `MetricsScraper` (the `metrics-data-source`
 code) over a real datastore of those endpoints, and measures its own CPU time
@@ -22,9 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
+import resource
 import time
 from collections.abc import Sequence
 
@@ -38,31 +42,63 @@ PAGES = 16
 
 
 def _serve(ports: Sequence[int], idle: bool, ready: multiprocessing.synchronize.Event) -> None:
-    from aiohttp import web
-
     # The servers stand in for pods on other machines: when the cores are scarce,
     # the scraper (what is measured) goes first.
     os.nice(int(os.environ.get("SCRAPE_COST_SERVER_NICE", "10")))
 
-    pages = [vllm_page(waiting=i % 7, running=i, kv_usage=i / 40, seed=i) for i in range(PAGES)]
-    # Per connection (one per scraped endpoint): the next page each time, so no
-    # scrape sees the page it saw before.
-    turns: dict[object, int] = {}
+    # The KV usage is different in every answer (a busy pod's moves all the time),
+    # the queue and batch sizes take 16 values: what a reader may remember from
+    # one page to the next is what a real fleet would let it remember.
+    placeholder = b"0.@@@@@@"
+    pages = [
+        vllm_page(waiting=i % 7, running=i, kv_usage=placeholder.decode(), seed=i)
+        for i in range(PAGES)
+    ]
+    # Whole answers, built once around the KV value: the servers only stand in for
+    # pods, and the less CPU they take from this machine's cores, the less they
+    # disturb the scraper.
+    answers = []
+    for page in pages:
+        head, tail = page.split(placeholder)
+        answers.append(
+            (
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                + f"Content-Length: {len(page)}\r\n\r\n".encode()
+                + head,
+                tail,
+            )
+        )
+    answered = itertools.count()
 
-    async def metrics(request: web.Request) -> web.Response:
-        if idle:
-            return web.Response(body=pages[0], content_type="text/plain")
-        key = request.transport
-        turn = turns[key] = turns.get(key, 0) + 1
-        return web.Response(body=pages[turn % PAGES], content_type="text/plain")
+    class Pod(asyncio.Protocol):
+        """Answers every GET on the connection with the next page (`--idle`: always
+        the same one), so no scrape sees the page it saw before."""
+
+        def __init__(self) -> None:
+            self.turn = 0
+            self.pending = b""
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.pending += data
+            while (end := self.pending.find(b"\r\n\r\n")) >= 0:
+                self.pending = self.pending[end + 4 :]
+                self.turn += 1
+                if idle:
+                    head, tail = answers[0]
+                    self.transport.write(head + b"0.420000" + tail)
+                else:
+                    head, tail = answers[self.turn % PAGES]
+                    usage = b"0.%06d" % (next(answered) % 1_000_000)
+                    self.transport.write(head + usage + tail)
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
+        loop = asyncio.get_running_loop()
         for port in ports:
-            await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+            await loop.create_server(Pod, "127.0.0.1", port, backlog=1024)
         ready.set()
         await asyncio.Event().wait()
 
@@ -107,9 +143,11 @@ async def measure(
     try:
         await asyncio.sleep(warmup_s)
         count0, fail0, cpu0, wall0 = scrapes(), failures(), time.process_time(), time.monotonic()
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         unchanged0 = count("unchanged")
         await asyncio.sleep(seconds)
         count1, fail1, cpu1, wall1 = scrapes(), failures(), time.process_time(), time.monotonic()
+        usage1 = resource.getrusage(resource.RUSAGE_SELF)
         unchanged = count("unchanged") - unchanged0
     finally:
         task.cancel()
@@ -128,6 +166,8 @@ async def measure(
         "cpu_share_of_one_core": round(cpu / wall, 4),
         "cpu_us_per_scrape": round(cpu / done * 1e6, 1) if done else float("nan"),
         "cpu_us_per_endpoint_per_s": round(cpu / wall / endpoints * 1e6, 1),
+        # The kernel's share: sending, receiving and polling the sockets.
+        "system_share_of_cpu": round((usage1.ru_stime - usage0.ru_stime) / cpu, 3) if cpu else 0.0,
         "fresh_endpoints": sum(1 for e in datastore.all_endpoints() if not e.metrics.stale()),
     }
 

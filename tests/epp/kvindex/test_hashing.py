@@ -126,3 +126,15 @@ def test_token_bytes_round_trip_and_refuse_out_of_range_ids() -> None:
 def test_unknown_algorithm() -> None:
     with pytest.raises(ValueError, match="unknown hash algorithm"):
         EngineHasher("md5", "0", 16)  # type: ignore[arg-type]
+
+
+def test_the_memo_keeps_the_blocks_used_most_recently() -> None:
+    hasher = EngineHasher("sha256", "0", 4, memo_blocks=64, digest_keys=64)
+    hot = list(range(100_000, 100_004))
+    for start in range(0, 2000, 4):
+        hasher.keys(list(range(start, start + 4)))  # a long tail of one-off blocks
+        hasher.keys(hot)  # and a system prompt in every request
+    # The system prompt was hashed once: the tail went through the memo around it.
+    assert hasher.computed == 500 + 1
+    hasher.keys([0, 1, 2, 3])
+    assert hasher.computed == 502  # the tail's oldest block was dropped

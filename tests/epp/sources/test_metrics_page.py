@@ -13,6 +13,7 @@ from epp.sources.metrics import (
     MetricsExtractor,
     MetricSpec,
     PageError,
+    ReadCache,
     read_page,
     read_series,
 )
@@ -63,10 +64,11 @@ def test_the_partial_parser_reads_what_the_full_parser_reads(page: bytes) -> Non
         "sglang:cache_config_info",
     }
     full = reference(page)
+    cache = ReadCache()
     for name in names:
-        ours, problems = read_series(page, name)
-        assert problems == []
-        assert [(dict(s.labels), s.value) for s in ours] == full.get(name, []), name
+        for read in (read_series(page, name), read_series(page, name, cache)):
+            assert not read.problems
+            assert [(dict(s.labels), s.value) for s in read.samples] == full.get(name, []), name
 
 
 def test_realistic_vllm_page_is_read() -> None:
@@ -133,8 +135,9 @@ def test_labels_with_escapes_and_braces_are_read() -> None:
         b'vllm:num_requests_running{model_name="x"} 2\n'
         b"vllm:kv_cache_usage_perc 0.1\n"
     )
-    (sample,), problems = read_series(page, "vllm:num_requests_waiting")
-    assert problems == []
+    read = read_series(page, "vllm:num_requests_waiting")
+    assert not read.problems
+    (sample,) = read.samples
     assert sample.value == 1
     assert sample.labels == {"model_name": 'a}b"c\\d\ne', "engine": "0"}
     assert reference_samples(page, "vllm:num_requests_waiting") == [(dict(sample.labels), 1.0)]
@@ -278,4 +281,4 @@ def test_label_cache_stays_bounded() -> None:
             b'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a%d"} 1\n' % i
         )
         assert extractor.extract(page, endpoint()).running_adapters == {f"a{i}"}
-    assert len(extractor._label_cache) <= 4096
+    assert len(extractor._cache.labels) <= 4096
