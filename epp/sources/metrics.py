@@ -43,12 +43,14 @@ Bad input never crashes and never becomes a silently wrong number:
   it neutrally.
 /debug/endpoints shows both (`metrics.error`, `metrics.missing`, `metrics.reason`).
 
-Cost. Each endpoint is scraped by its own task, all on the same ticks of the
-period, so the answers arrive together and are read in few event-loop wakeups. A
-plain `http://` scrape uses `KeepAliveFetcher` (one kept-alive connection per
-endpoint, a minimal HTTP/1.1 reader); `https://` uses one shared aiohttp session.
-A page identical to the previous one (an idle pod) is not parsed again.
-docs/performance.md has the measured cost per endpoint.
+Cost. All endpoints are scraped on one clock: each tick starts a scrape of every
+endpoint whose previous one has ended, and each answer is handled in its
+connection's read callback (no task, future or timer per scrape). A plain
+`http://` scrape uses `KeepAliveFetcher` (one kept-alive connection per endpoint, a
+minimal HTTP/1.1 reader); `https://` uses one shared aiohttp session. A page
+identical to the previous one (an idle pod) is not read again, and a series whose
+lines were read before costs a lookup (`ReadCache`). docs/performance.md has the
+measured cost per endpoint.
 """
 
 from __future__ import annotations
@@ -632,22 +634,28 @@ def read_page(page: bytes, engine: EngineSpec, cache: ReadCache | None = None) -
     return values
 
 
+def _labelled_cache_info(engine: EngineSpec) -> Callable[[MetricSpec, list[Sample]], Derived]:
+    """The cache configuration from an info gauge's labels (vLLM, SGLang)."""
+
+    def labelled(spec: MetricSpec, samples: list[Sample]) -> Derived:
+        labels = samples[0].labels
+        block_size = _int_label(labels, engine.cache_block_size_label)
+        num_blocks = _int_label(labels, engine.cache_num_blocks_label)
+        if not block_size or not num_blocks:
+            return {}, (
+                f"{spec} has no positive integer {engine.cache_block_size_label}"
+                f" and {engine.cache_num_blocks_label} labels"
+            )
+        return {"block_size": block_size, "num_gpu_blocks": num_blocks}, None
+
+    return labelled
+
+
 def _cache_info(
     reader: _Page, engine: EngineSpec, values: dict[str, object], missing: dict[str, str]
 ) -> None:
     if engine.cache_info:
-
-        def labelled(spec: MetricSpec, samples: list[Sample]) -> Derived:
-            labels = samples[0].labels
-            block_size = _int_label(labels, engine.cache_block_size_label)
-            num_blocks = _int_label(labels, engine.cache_num_blocks_label)
-            if not block_size or not num_blocks:
-                return {}, (
-                    f"{spec} has no positive integer {engine.cache_block_size_label}"
-                    f" and {engine.cache_num_blocks_label} labels"
-                )
-            return {"block_size": block_size, "num_gpu_blocks": num_blocks}, None
-
+        labelled = _labelled_cache_info(engine)
         _, (fields, problem) = reader.derive((engine.name, CACHE_INFO), engine.cache_info, labelled)
         if problem is not None:
             missing[CACHE_INFO] = problem
@@ -671,6 +679,134 @@ def _cache_info(
         values["num_gpu_blocks"] = int(count_value)
         return
     missing[CACHE_INFO] = f"the {engine.name} engine reports no cache configuration"
+
+
+class _PlainFact:
+    """One fact of a `FastReader`: read off its metric's sample lines, and what they
+    gave kept by those lines."""
+
+    __slots__ = (
+        "absent",
+        "apply",
+        "compute",
+        "encoded",
+        "fact",
+        "memo",
+        "name",
+        "needle",
+        "size",
+        "spec",
+    )
+
+    def __init__(
+        self,
+        fact: str,
+        specs: tuple[MetricSpec, ...],
+        compute: Callable[[MetricSpec, list[Sample]], Derived],
+        apply: str | None,
+    ) -> None:
+        spec = specs[0]
+        self.fact = fact
+        self.spec = spec
+        # Why the fact is unknown when its metric is not on the page (read_page's
+        # words); None: it has other metrics to try, which read_page does.
+        self.absent = f"{spec} not on the page" if len(specs) == 1 else None
+        self.name = spec.name
+        self.encoded = spec.name.encode("ascii")
+        self.needle = b"\n" + self.encoded
+        self.size = len(self.needle)
+        self.compute = compute
+        self.apply = apply  # the field a gauge sets; None: the fields are merged
+        self.memo: dict[bytes, Derived] = {}
+
+
+class FastReader:
+    """`read_page` for an engine whose facts are each read off one plain metric
+    name (vLLM's and SGLang's), in one pass with no layers: per fact, two
+    `bytes.find` calls, a slice and a lookup of what those lines gave before.
+
+    Only the common case is read here: each fact's first metric is on the page
+    (not as the page's first line) with at least one readable sample, or absent
+    when it is the fact's only metric (a pod without LoRA), and at least one
+    request or KV fact is there. Anything else (an older vLLM's other KV name,
+    unreadable lines, a page that is not this engine's) returns None, and
+    `read_page` reads the page, with its reasons. A test checks that both read the
+    same."""
+
+    def __init__(self, engine: EngineSpec, cache: ReadCache) -> None:
+        self.cache = cache
+        self.facts: list[_PlainFact] = []
+        self.constant_missing: dict[str, str] = {}
+        for fact, field_name, attr, compute in _GAUGES:
+            specs: tuple[MetricSpec, ...] = getattr(engine, field_name)
+            self.facts.append(_PlainFact(fact, specs, compute, attr))
+        if engine.lora:
+            self.facts.append(_PlainFact(LORA, engine.lora, _lora, None))
+        else:
+            self.constant_missing[LORA] = f"the {engine.name} engine reports no LoRA metric"
+        if engine.cache_info:
+            self.facts.append(
+                _PlainFact(CACHE_INFO, engine.cache_info, _labelled_cache_info(engine), None)
+            )
+        else:
+            self.constant_missing[CACHE_INFO] = (
+                f"the {engine.name} engine reports no cache configuration"
+            )
+
+    @staticmethod
+    def suits(engine: EngineSpec) -> bool:
+        firsts = [
+            specs[0] if specs else None
+            for specs in (engine.waiting, engine.running, engine.kv_usage)
+        ]
+        firsts += [engine.lora[0]] if engine.lora else []
+        firsts += [engine.cache_info[0]] if engine.cache_info else []
+        return (
+            all(spec is not None and not spec.labels for spec in firsts)
+            and not engine.custom
+            and not (engine.cache_block_size or engine.cache_num_blocks)
+        )
+
+    def read(self, page: bytes) -> dict[str, object] | None:
+        values: dict[str, object] = {}
+        missing = dict(self.constant_missing)
+        end = len(page)
+        on_page = False  # whether a request or KV fact (the first three) was read
+        for index, fact in enumerate(self.facts):
+            at = page.find(fact.needle)
+            if at < 0:
+                if fact.absent is None or page.startswith(fact.encoded):
+                    return None
+                missing[fact.fact] = fact.absent
+                continue
+            after = at + fact.size
+            if after >= end or page[after] not in _AFTER_NAME:
+                return None
+            stop = page.find(b"\n#", after)
+            block = page[at + 1 : stop + 1] if stop >= 0 else page[at + 1 :]
+            derived = fact.memo.get(block)
+            if derived is None:
+                lines = _sample_lines(block, fact.encoded, 0)
+                samples = _read_lines(lines, fact.name, self.cache.labels).samples
+                if not samples:
+                    return None
+                derived = fact.compute(fact.spec, list(samples))
+                if len(fact.memo) >= SERIES_CACHE_SIZE:
+                    fact.memo.clear()
+                fact.memo[block] = derived
+            if index < len(_GAUGES):
+                on_page = True
+            fields, problem = derived
+            if problem is not None:
+                missing[fact.fact] = problem
+            elif fact.apply is not None:
+                values[fact.apply] = fields[""]
+            else:
+                values.update(fields)
+        if not on_page:
+            return None  # read_page says why the page is not this engine's
+        values["missing"] = missing
+        return values
 
 
 # ---------------------------------------------------------------------------
@@ -699,6 +835,7 @@ class MetricsExtractor:
         self.default_engine = default_engine
         self.engine_label_key = engine_label_key
         self._cache = ReadCache()
+        self._fast: dict[str, FastReader | None] = {}
 
     def engine_for(self, endpoint: Endpoint) -> EngineSpec:
         """The endpoint's engine, from its engine-type label; PageError if the label
@@ -724,7 +861,16 @@ class MetricsExtractor:
         staleness_s: float = DEFAULT_STALENESS_S,
     ) -> EndpointMetrics:
         """The snapshot for a page scraped at `now`; PageError if unusable."""
-        values = read_page(data, self.engine_for(endpoint), self._cache)
+        engine = self.engine_for(endpoint)
+        if engine.name in self._fast:
+            fast = self._fast[engine.name]
+        else:
+            fast = self._fast[engine.name] = (
+                FastReader(engine, self._cache) if FastReader.suits(engine) else None
+            )
+        values = fast.read(data) if fast is not None else None
+        if values is None:
+            values = read_page(data, engine, self._cache)
         return EndpointMetrics(updated_at=now, staleness_s=staleness_s, **values)  # type: ignore[arg-type]
 
 

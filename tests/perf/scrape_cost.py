@@ -41,10 +41,17 @@ from tests.epp.sources.pages import vllm_page
 PAGES = 16
 
 
-def _serve(ports: Sequence[int], idle: bool, ready: multiprocessing.synchronize.Event) -> None:
+def _serve(
+    ports: Sequence[int],
+    idle: bool,
+    ready: multiprocessing.synchronize.Event,
+    cpus: set[int] | None = None,
+) -> None:
     # The servers stand in for pods on other machines: when the cores are scarce,
-    # the scraper (what is measured) goes first.
+    # the scraper (what is measured) goes first; with `cpus`, they keep off its core.
     os.nice(int(os.environ.get("SCRAPE_COST_SERVER_NICE", "10")))
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
     # The KV usage is different in every answer (a busy pod's moves all the time),
     # the queue and batch sizes take 16 values: what a reader may remember from
@@ -180,15 +187,22 @@ def run(
     idle: bool = False,
     http_client: str = "fast",
     warmup_s: float = 2.0,
+    pin: bool = False,
 ) -> dict[str, float]:
+    """`pin`: the scraper on one CPU, the servers on the others (the way pods on
+    other machines would leave the EPP's core and caches alone)."""
     ports = _free_ports(endpoints)
     context = multiprocessing.get_context("spawn")
     processes = []
+    cpus = sorted(os.sched_getaffinity(0))
+    if pin and len(cpus) < 2:
+        raise ValueError("--pin needs at least 2 CPUs")
+    scraper_cpus, server_cpus = ({cpus[0]}, set(cpus[1:])) if pin else (set(cpus), None)
     try:
         for i in range(servers):
             ready = context.Event()
             process = context.Process(
-                target=_serve, args=(ports[i::servers], idle, ready), daemon=True
+                target=_serve, args=(ports[i::servers], idle, ready, server_cpus), daemon=True
             )
             process.start()
             processes.append(process)
@@ -196,11 +210,17 @@ def run(
                 raise RuntimeError("a metrics server did not start")
         settings = ScrapeSettings(interval_s=interval_s, timeout_s=1.0, http_client=http_client)
         addresses = [f"127.0.0.1:{p}" for p in ports]
-        result = asyncio.run(measure(addresses, settings, seconds, warmup_s))
+        previous = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, scraper_cpus)
+        try:
+            result = asyncio.run(measure(addresses, settings, seconds, warmup_s))
+        finally:
+            os.sched_setaffinity(0, previous)
         result["page_bytes"] = len(vllm_page())
         result["idle_pages"] = idle
         result["http_client"] = http_client  # type: ignore[assignment]
         result["cpus"] = os.cpu_count() or 0
+        result["pinned"] = pin
         return result
     finally:
         for process in processes:
@@ -216,10 +236,24 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=2, help="server processes")
     parser.add_argument("--idle", action="store_true", help="pages never change")
     parser.add_argument("--http-client", choices=["fast", "aiohttp"], default="fast")
-    args = parser.parse_args()
-    result = run(
-        args.endpoints, args.interval, args.seconds, args.servers, args.idle, args.http_client
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the scraper on one CPU and the servers on the others (needs 2 CPUs or more)",
     )
+    args = parser.parse_args()
+    try:
+        result = run(
+            args.endpoints,
+            args.interval,
+            args.seconds,
+            args.servers,
+            args.idle,
+            args.http_client,
+            pin=args.pin,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     print(json.dumps(result, indent=2))
 
 

@@ -3,6 +3,10 @@ docs/performance.md)."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from tests.perf.scrape_cost import run
 
 
@@ -12,3 +16,10 @@ def test_the_measurement_runs_and_scrapes_every_endpoint() -> None:
     assert result["failed_scrapes"] == 0
     assert result["scrapes_per_s"] > 20
     assert 0 < result["cpu_us_per_scrape"] < 100_000
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 CPUs")
+def test_pinned_runs_keep_the_scraper_on_one_cpu() -> None:
+    result = run(endpoints=2, interval_s=0.05, seconds=0.3, servers=1, warmup_s=0.3, pin=True)
+    assert result["pinned"] is True
+    assert result["fresh_endpoints"] == 2

@@ -10,6 +10,7 @@ from epp.datastore import CACHE_INFO, KV_CACHE_USAGE, LORA, RUNNING, WAITING, En
 from epp.sources.metrics import (
     BUILTIN_ENGINES,
     EngineSpec,
+    FastReader,
     MetricsExtractor,
     MetricSpec,
     PageError,
@@ -282,3 +283,50 @@ def test_label_cache_stays_bounded() -> None:
         )
         assert extractor.extract(page, endpoint()).running_adapters == {f"a{i}"}
     assert len(extractor._cache.labels) <= 4096
+
+
+FAST_READER_PAGES = {
+    "vllm": vllm_page(),
+    "vllm-dp2": vllm_page(engines=2, waiting=4, running=3),
+    "vllm-two-lora": vllm_page(lora=(("old", "", 2, 100.0), ("a,b", "q", 4, 200.0))),
+    "vllm-no-lora": vllm_page(lora=None),
+    "vllm-older-kv-name": vllm_page(kv_name="vllm:gpu_cache_usage_perc", kv_usage=0.25),
+    "vllm-nan-waiting": vllm_page(waiting="NaN"),
+    "vllm-negative-running": vllm_page(running="-1"),
+    "vllm-kv-above-one": vllm_page(kv_usage="1.5"),
+    "vllm-bad-cache-info": vllm_page(num_gpu_blocks="None"),
+    "vllm-running-missing": vllm_page().replace(b"vllm:num_requests_running", b"vllm:other_gauge"),
+    "vllm-unreadable-line": vllm_page(waiting="three"),
+    "sglang": sglang_page(),
+    "sglang-nan": sglang_page(token_usage="NaN"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAST_READER_PAGES))
+def test_the_fast_reader_reads_what_read_page_reads(name: str) -> None:
+    page = FAST_READER_PAGES[name]
+    engine = SGLANG if name.startswith("sglang") else VLLM
+    assert FastReader.suits(engine)
+    reader = FastReader(engine, ReadCache())
+    expected = read_page(page, engine)
+    for _ in range(2):  # the second time from what the first remembered
+        fast = reader.read(page)
+        # It declines what it does not read itself, and read_page reads it instead.
+        assert fast is None or fast == expected
+    # Pages it reads itself: all but another KV name and unreadable lines.
+    declined = {"vllm-older-kv-name", "vllm-unreadable-line"}
+    assert (reader.read(page) is None) == (name in declined)
+
+
+def test_engines_with_label_selectors_are_read_by_read_page() -> None:
+    assert not FastReader.suits(BUILTIN_ENGINES["triton-tensorrt-llm"])
+    assert not FastReader.suits(BUILTIN_ENGINES["trtllm-serve"])  # cache info from gauges
+
+
+@pytest.mark.parametrize(
+    "page",
+    [b"", b"<html>502</html>", sglang_page(), b"vllm:num_requests_waiting 1\n"],
+    ids=["empty", "html", "wrong-engine", "first-line-only"],
+)
+def test_the_fast_reader_leaves_other_pages_to_read_page(page: bytes) -> None:
+    assert FastReader(VLLM, ReadCache()).read(page) is None

@@ -248,3 +248,28 @@ async def test_metrics_url_and_path_are_honoured(servers: list[MetricsServer]) -
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_slow_scrape_is_not_doubled_and_a_short_timeout_needs_no_tick(
+    servers: list[MetricsServer],
+) -> None:
+    # An answer takes 5 intervals: the endpoint gets one request at a time, not one
+    # per tick.
+    servers[0].delay_s = 0.1
+    async with scraping({"pod": servers[0]}) as (run, _):
+        await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
+        start = servers[0].requests
+        await asyncio.sleep(0.5)
+        assert 2 <= servers[0].requests - start <= 6
+        assert run.endpoint("pod").metrics.error is None
+    # A timeout shorter than the interval is noticed long before the next tick.
+    servers[0].delay_s = 1.5
+    slow_ticks = ScrapeSettings(interval_s=2.0, timeout_s=0.1, staleness_s=60.0)
+    before = servers[0].requests
+    async with scraping({"pod": servers[0]}, slow_ticks) as (run, registry):
+        await run.until(lambda: servers[0].requests > before, timeout_s=5.0)
+        asked = time.monotonic()
+        await run.until(lambda: run.endpoint("pod").metrics.error is not None)
+        assert time.monotonic() - asked < 1.0  # the next tick is 2 s after the request
+        assert "no answer within 0.1s" in (run.endpoint("pod").metrics.error or "")
+        assert sample(registry, "epp_metrics_scrapes_total", {"result": "timeout"}) == 1
