@@ -726,7 +726,8 @@ class FastReader:
     `bytes.find` calls, a slice and a lookup of what those lines gave before.
 
     Only the common case is read here: each fact's first metric is on the page
-    (not as the page's first line) with at least one readable sample, or absent
+    (not as the page's first line, and followed by a comment line within
+    `MAX_CACHED_BLOCK_BYTES`) with at least one readable sample, or absent
     when it is the fact's only metric (a pod without LoRA), and at least one
     request or KV fact is there. Anything else (an older vLLM's other KV name,
     unreadable lines, a page that is not this engine's) returns None, and
@@ -783,7 +784,10 @@ class FastReader:
             if after >= end or page[after] not in _AFTER_NAME:
                 return None
             stop = page.find(b"\n#", after)
-            block = page[at + 1 : stop + 1] if stop >= 0 else page[at + 1 :]
+            stop = stop + 1 if stop >= 0 else end
+            if stop - at > MAX_CACHED_BLOCK_BYTES:
+                return None  # a page without comment lines: not remembered
+            block = page[at + 1 : stop]
             derived = fact.memo.get(block)
             if derived is None:
                 lines = _sample_lines(block, fact.encoded, 0)

@@ -325,8 +325,14 @@ def test_engines_with_label_selectors_are_read_by_read_page() -> None:
 
 @pytest.mark.parametrize(
     "page",
-    [b"", b"<html>502</html>", sglang_page(), b"vllm:num_requests_waiting 1\n"],
-    ids=["empty", "html", "wrong-engine", "first-line-only"],
+    [
+        b"",
+        b"<html>502</html>",
+        sglang_page(),
+        b"vllm:num_requests_waiting 1\n",
+        b"\n".join(line for line in vllm_page().split(b"\n") if not line.startswith(b"#")),
+    ],
+    ids=["empty", "html", "wrong-engine", "first-line-only", "no-comment-lines"],
 )
 def test_the_fast_reader_leaves_other_pages_to_read_page(page: bytes) -> None:
     assert FastReader(VLLM, ReadCache()).read(page) is None
