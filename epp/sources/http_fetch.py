@@ -331,8 +331,6 @@ class KeepAliveFetcher:
             self._protocol._close()
             self._protocol = None
 
-    close = abort
-
     def _connect(self) -> None:
         self._reused = False
         self._connecting = asyncio.get_running_loop().create_task(self._open())

@@ -1030,7 +1030,7 @@ class MetricsScraper:
             target.task.cancel()
             target.task = None
         if target.fetcher is not None:
-            target.fetcher.close()
+            target.fetcher.abort()
 
     # -- scraping ----------------------------------------------------------------
 
@@ -1062,17 +1062,14 @@ class MetricsScraper:
             log.exception("metrics scrape of %s failed to start", target.endpoint.name)
 
     def _expire_overdue(self, started_at: float) -> None:
+        # The scrapes of that tick, and no later ones: `_begin` stored this same
+        # float, so equality is exact.
         for target in tuple(self._targets.values()):
             if target.started_at == started_at:
                 self._expire(target)
 
     def _expire(self, target: _Target) -> None:
-        target.started_at = None
-        if target.fetcher is not None:
-            target.fetcher.abort()
-        if target.task is not None:
-            target.task.cancel()
-            target.task = None
+        self._stop(target)
         self._failed(target, "timeout", f"no answer within {self.settings.timeout_s:g}s")
 
     async def _scrape_with_aiohttp(self, target: _Target) -> None:

@@ -13,7 +13,8 @@ a real endpoints file, real gRPC ports and the real admin HTTP server.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,33 @@ def write_endpoints(path: Path, endpoints: dict[str, str]) -> None:
     path.write_text(yaml.safe_dump(document), encoding="utf-8")
 
 
+def local_options(endpoints_file: Path, **fields: Any) -> ServeOptions:
+    """`ServeOptions` for an in-process EPP on loopback, on ports the OS picks;
+    `fields`: any other option."""
+    return ServeOptions(
+        endpoints_file=str(endpoints_file),
+        bind="127.0.0.1",
+        grpc_port=0,
+        grpc_health_port=0,
+        metrics_port=0,
+        **fields,
+    )
+
+
+@contextlib.contextmanager
+def app_on_runner(options: ServeOptions) -> Iterator[tuple[asyncio.Runner, EppApp]]:
+    """An EPP started on an event loop of its own, for module-scoped fixtures whose
+    (synchronous, hypothesis-driven) tests drive it through `runner.run`."""
+    runner = asyncio.Runner()
+    app = EppApp(options)
+    try:
+        runner.run(app.start())
+        yield runner, app
+    finally:
+        runner.run(app.stop())
+        runner.close()
+
+
 @pytest.fixture
 async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
     """Start EPPs with the given endpoints, config text and body limit; all are
@@ -140,18 +168,15 @@ async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
             extra["max_body_bytes"] = max_body_bytes
         if lean_completion_timeout_s is not None:
             extra["lean_completion_timeout_s"] = lean_completion_timeout_s
-        options = ServeOptions(
-            endpoints_file=str(endpoints_file),
-            config_text=config_text,
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=0,
-            bind="127.0.0.1",
-            debug_endpoints=debug_endpoints,
-            shutdown_grace_s=0.5,
-            **extra,
+        app = EppApp(
+            local_options(
+                endpoints_file,
+                config_text=config_text,
+                debug_endpoints=debug_endpoints,
+                shutdown_grace_s=0.5,
+                **extra,
+            )
         )
-        app = EppApp(options)
         await app.start()
         epp = Epp(app, dict(pool))
         running.append(epp)

@@ -15,13 +15,14 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from epp.app import EppApp, ServeOptions
+from epp.app import EppApp
 from epp.config import InvalidConfig, load_config
 from epp.requests import parse_request
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo
 from sim.server import SimPod
 from sim.tokenizer import HFTokenizer, load_tokenizer
+from tests.epp.conftest import local_options
 from tests.sim.conftest import pod_config
 from tests.testdata import qwen_dir
 
@@ -172,15 +173,8 @@ async def start_fleet(tmp_path: Path, qwen_sim: HFTokenizer) -> AsyncIterator[St
             )
         )
         app = EppApp(
-            ServeOptions(
-                endpoints_file=str(endpoints),
-                config_text=config_text,
-                bind="127.0.0.1",
-                grpc_port=0,
-                grpc_health_port=0,
-                metrics_port=0,
-                debug_endpoints=True,
-                shutdown_grace_s=0.2,
+            local_options(
+                endpoints, config_text=config_text, debug_endpoints=True, shutdown_grace_s=0.2
             )
         )
         await app.start()

@@ -23,13 +23,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epp.app import EppApp, ServeOptions
+from epp.app import EppApp
 from epp.approxindex import chain_seed
 from epp.datastore import Endpoint
 from epp.kvindex.ingest import StreamIndex
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling.types import ResponseInfo
-from tests.epp.conftest import write_endpoints
+from tests.epp.conftest import app_on_runner, local_options, write_endpoints
 from tests.epp.extproc import envoy_client as ec
 from tests.fuzzing import examples
 from tests.plugins.engine_events import attach, feed, stored_payload
@@ -107,28 +107,13 @@ class Running:
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     path: Path = tmp_path_factory.mktemp("tenants") / "endpoints.yaml"
     write_endpoints(path, ENDPOINTS)
-    runner = asyncio.Runner()
-    app = EppApp(
-        ServeOptions(
-            endpoints_file=str(path),
-            config_text=CONFIG,
-            bind="127.0.0.1",
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=0,
-        )
-    )
-    runner.run(app.start())
-    precise = app.director.config.plugins["precise"]
-    streams = {}
-    for endpoint in app.datastore.all_endpoints():
-        assert isinstance(endpoint, Endpoint)
-        streams[endpoint.name] = attach(precise, endpoint)
-    try:
+    with app_on_runner(local_options(path, config_text=CONFIG)) as (runner, app):
+        precise = app.director.config.plugins["precise"]
+        streams = {}
+        for endpoint in app.datastore.all_endpoints():
+            assert isinstance(endpoint, Endpoint)
+            streams[endpoint.name] = attach(precise, endpoint)
         yield Running(runner, app, streams, itertools.count())
-    finally:
-        runner.run(app.stop())
-        runner.close()
 
 
 # An empty salt is no salt, in vLLM and here; a few short values make collisions

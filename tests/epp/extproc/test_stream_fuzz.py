@@ -34,9 +34,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from epp.app import EppApp, ServeOptions
+from epp.app import EppApp
 from epp.extproc.stream import RequestStream, StreamSettings
-from tests.epp.conftest import write_endpoints
+from tests.epp.conftest import app_on_runner, local_options, write_endpoints
 from tests.epp.extproc import envoy_client as ec
 from tests.fuzzing import examples
 
@@ -100,28 +100,14 @@ class Running:
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     path: Path = tmp_path_factory.mktemp("stream-fuzz") / "endpoints.yaml"
     write_endpoints(path, ENDPOINTS)
-    runner = asyncio.Runner()
-    app = EppApp(
-        ServeOptions(
-            endpoints_file=str(path),
-            config_text=CONFIG,
-            bind="127.0.0.1",
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=0,
-            max_body_bytes=MAX_BODY,
-            shutdown_grace_s=0.2,
-        )
-    )
-    runner.run(app.start())
-    # Refusals are logged at info and protocol violations at warning, by design.
-    logging.disable(logging.WARNING)
-    try:
-        yield Running(runner, app)
-    finally:
-        logging.disable(logging.NOTSET)
-        runner.run(app.stop())
-        runner.close()
+    options = local_options(path, config_text=CONFIG, max_body_bytes=MAX_BODY, shutdown_grace_s=0.2)
+    with app_on_runner(options) as (runner, app):
+        # Refusals are logged at info and protocol violations at warning, by design.
+        logging.disable(logging.WARNING)
+        try:
+            yield Running(runner, app)
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 # ---------------------------------------------------------------------------

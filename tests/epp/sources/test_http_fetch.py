@@ -40,8 +40,8 @@ class Fetcher:
             self.fetcher.abort()
             raise
 
-    def close(self) -> None:
-        self.fetcher.close()
+    def abort(self) -> None:
+        self.fetcher.abort()
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ async def test_reads_the_page_over_one_kept_alive_connection(server: MetricsServ
         assert await fetcher.get() == (200, server.page)
     assert server.requests == 5
     assert len(server.peers) == 1
-    fetcher.close()
+    fetcher.abort()
 
 
 @pytest.mark.parametrize(("chunked", "gzip"), [(True, False), (False, True), (True, True)])
@@ -69,7 +69,7 @@ async def test_chunked_and_compressed_pages(
     fetcher = Fetcher(server.url)
     assert await fetcher.get() == (200, server.page)
     assert await fetcher.get() == (200, server.page)
-    fetcher.close()
+    fetcher.abort()
 
 
 async def test_connection_close_answers_open_a_new_connection(server: MetricsServer) -> None:
@@ -78,7 +78,7 @@ async def test_connection_close_answers_open_a_new_connection(server: MetricsSer
     for _ in range(3):
         assert (await fetcher.get())[1] == server.page
     assert len(server.peers) == 3
-    fetcher.close()
+    fetcher.abort()
 
 
 async def test_status_is_returned(server: MetricsServer) -> None:
@@ -86,7 +86,7 @@ async def test_status_is_returned(server: MetricsServer) -> None:
     fetcher = Fetcher(server.url)
     status, _ = await fetcher.get()
     assert status == 503
-    fetcher.close()
+    fetcher.abort()
 
 
 async def test_a_timed_out_request_drops_the_connection(server: MetricsServer) -> None:
@@ -100,7 +100,7 @@ async def test_a_timed_out_request_drops_the_connection(server: MetricsServer) -
     server.page = b"second\n"
     assert await fetcher.get() == (200, b"second\n")
     assert len(server.peers) == 2
-    fetcher.close()
+    fetcher.abort()
 
 
 async def test_a_server_restart_between_scrapes_is_survived() -> None:
@@ -115,7 +115,7 @@ async def test_a_server_restart_between_scrapes_is_survived() -> None:
     try:
         assert await fetcher.get() == (200, b"back\n")
     finally:
-        fetcher.close()
+        fetcher.abort()
         await again.stop()
 
 
@@ -123,7 +123,7 @@ async def test_garbage_and_oversized_answers_fail(server: MetricsServer) -> None
     fetcher = Fetcher(server.url, max_body_bytes=1000)
     with pytest.raises(FetchError, match="over 1000 bytes"):
         await fetcher.get()
-    fetcher.close()
+    fetcher.abort()
 
     async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -137,7 +137,7 @@ async def test_garbage_and_oversized_answers_fail(server: MetricsServer) -> None
         with pytest.raises(FetchError, match="not HTTP"):
             await garbage.get()
     finally:
-        garbage.close()
+        garbage.abort()
         raw.close()
         await raw.wait_closed()
 
@@ -160,7 +160,7 @@ async def test_one_request_at_a_time(server: MetricsServer) -> None:
     with pytest.raises(RuntimeError, match="outstanding"):
         fetcher.fetcher.request()
     assert (await first)[0] == 200
-    fetcher.close()
+    fetcher.abort()
 
 
 async def test_an_aborted_request_never_calls_back(server: MetricsServer) -> None:
@@ -181,4 +181,4 @@ async def test_an_aborted_request_never_calls_back(server: MetricsServer) -> Non
     server.delay_s = 0.0
     assert (await fetcher.get())[0] == 200
     assert fetcher.callbacks == 1
-    fetcher.close()
+    fetcher.abort()
