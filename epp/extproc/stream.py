@@ -25,6 +25,12 @@ Envoy ends its side of the stream when it reads an ImmediateResponse, and
 ignores whatever comes after it; messages it sent before reading it (the rest of
 a FULL_DUPLEX body rejected with a 413) are dropped in ANSWERED, unanswered.
 
+Once a stream is `over` (the response has ended, or the EPP answered the client
+itself), the server ends it with status OK at once; Envoy then stops sending for
+this request. Envoy's own end of a stream it still holds is a half-close and a
+reset, unless its `ext_proc_graceful_grpc_close` runtime flag is on (the shipped
+Envoy configs set it).
+
 `handle` never raises: an `EppError` becomes an ImmediateResponse with its status,
 any other exception a 500 (and a log line with the traceback).
 """
@@ -144,6 +150,16 @@ class RequestStream:
         """Envoy will not show this EPP the response body: the response's end comes
         from the access log, not from this stream."""
         return self.response_body_mode == m.NONE
+
+    @property
+    def over(self) -> bool:
+        """Nothing more is wanted from Envoy: the response has ended (and no part of
+        the request is still to pass through), or the EPP answered the client
+        itself. The server then ends the stream with status OK, which Envoy reads
+        as "no more processing for this request"."""
+        if self.phase is Phase.ANSWERED:
+            return True
+        return self.phase is Phase.DONE and not self.request_tail
 
     def close(self) -> None:
         """The stream ended, normally or not. A request still open is aborted,

@@ -257,8 +257,16 @@ class EnvoyStream:
                 return replies, b"".join(r.body for r in replies)
 
     async def close(self) -> grpc.StatusCode:
-        """Half-close as Envoy does at the end of a request; the stream's status."""
+        """Half-close as Envoy does at the end of a request; the stream's status.
+        (A no-op write side if the EPP has already ended the stream.)"""
         await self.call.done_writing()
+        rest = await self.recv()
+        assert rest is None, f"an unexpected {rest.kind} reply after the exchange"
+        return await self.call.code()
+
+    async def ended(self) -> grpc.StatusCode:
+        """The status of a stream the EPP ended by itself, while this side still
+        had it open (as Envoy does until its HTTP stream is over)."""
         rest = await self.recv()
         assert rest is None, f"an unexpected {rest.kind} reply after the exchange"
         return await self.call.code()

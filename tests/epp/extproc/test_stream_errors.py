@@ -3,6 +3,7 @@ status and an OpenAI-shaped JSON body, nothing leaks, and the EPP keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -175,10 +176,9 @@ async def test_body_over_the_limit_is_413(start_epp: StartEpp) -> None:
     await stream.send(ec.request_body(body[:600]), ec.request_body(body[600:1200]))
     message = assert_error(await stream.expect(), 413)
     assert "1000" in message
-    # Envoy sends the chunks already on their way before it reads the 413; they are
-    # moot and get no reply.
-    await stream.send(ec.request_body(body[1200:], end_of_stream=True))
-    assert await stream.close() == grpc.StatusCode.OK
+    # The EPP ends the stream with its answer: Envoy stops processing the request
+    # there, and what it still had on the way is dropped with the stream.
+    assert await stream.ended() == grpc.StatusCode.OK
     assert await outcome(epp, "payload_too_large") == 1
     assert await epp.metric("epp_extproc_stream_errors_total", {"reason": "protocol"}) == 0
     await assert_serving(epp)
@@ -429,15 +429,14 @@ async def test_messages_out_of_phase_never_break_the_stream(epp: Epp) -> None:
     await assert_serving(epp)
 
 
-async def test_messages_after_the_response_ended(epp: Epp) -> None:
+async def test_the_stream_ends_with_the_response(epp: Epp) -> None:
     stream = epp.stream()
     await ec.route(stream, GOOD_BODY)
     await ec.respond(stream, [b"{}"])
-    await stream.send(ec.response_body(b"late", end_of_stream=True))
-    late = await stream.expect()
-    assert late.kind == "response_body"
-    assert late.body == b"late"
-    assert await stream.close() == grpc.StatusCode.OK
+    # Nothing can come after the response's end: the EPP has ended the stream.
+    assert await stream.ended() == grpc.StatusCode.OK
+    with pytest.raises(asyncio.InvalidStateError):
+        await stream.send(ec.response_body(b"late", end_of_stream=True))
     assert await epp.metric("epp_responses_total", {"result": "completed"}) == 1
     assert await epp.total_in_flight() == 0
     await assert_serving(epp)
