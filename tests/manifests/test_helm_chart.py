@@ -860,8 +860,12 @@ def test_the_envoy_bootstrap_is_valid_for_envoy(name: str, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("name", WITH_ENVOY)
 def test_envoy_uses_the_projects_ext_proc_settings(name: str) -> None:
-    ours = _ext_proc(_envoy_bootstrap(rendered(name)))
-    shipped = _ext_proc(yaml.safe_load((ROOT / "manifests" / "envoy" / "envoy.yaml").read_text()))
+    bootstrap = _envoy_bootstrap(rendered(name))
+    standalone = yaml.safe_load((ROOT / "manifests" / "envoy" / "envoy.yaml").read_text())
+    # The graceful stream end (docs/reliability.md, "Soak"): the same runtime layer.
+    assert bootstrap["layered_runtime"] == standalone["layered_runtime"]
+    ours = _ext_proc(bootstrap)
+    shipped = _ext_proc(standalone)
     for key in ("message_timeout", "metadata_options"):
         assert ours[key] == shipped[key], key
     assert ours["grpc_service"]["timeout"] == shipped["grpc_service"]["timeout"]
