@@ -104,7 +104,7 @@ def run(requests: int = 8000, concurrency: int = 8) -> dict[str, Any]:
                         listen_port=free_port(), epp_port=app.ports["grpc"], admin_port=free_port()
                     )
                     if not graceful:
-                        del config["layered_runtime"]
+                        config.pop("layered_runtime", None)
                     listen = config["static_resources"]["listeners"][0]["address"]
                     url = (
                         f"http://127.0.0.1:{listen['socket_address']['port_value']}/v1/completions"
