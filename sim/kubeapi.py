@@ -314,7 +314,8 @@ class FakeKubeApi:
         self.forbidden.discard((verb, plural))
 
     def compact(self) -> None:
-        """Forget the history: every rv so far is too old to watch from (410)."""
+        """Forget the history: every rv before the current one is too old to watch
+        from (410)."""
         self.history.clear()
         self.compacted_rv = self.rv
 
@@ -599,7 +600,9 @@ class FakeKubeApi:
         queue: asyncio.Queue[_Event | None] = asyncio.Queue()
         watcher = _Watcher(kind, ns, selector, queue, request)
         start_rv = int(raw_rv) if raw_rv.isdigit() else 0
-        if raw_rv and raw_rv != "0" and start_rv <= self.compacted_rv:
+        # Resuming from rv needs the events after it: too old only below the
+        # compaction point (a list taken right after a compaction can be watched).
+        if raw_rv and raw_rv != "0" and start_rv < self.compacted_rv:
             await _send(
                 response,
                 {
@@ -607,7 +610,7 @@ class FakeKubeApi:
                     "object": status_body(
                         410,
                         "Expired",
-                        f"too old resource version: {start_rv} ({self.compacted_rv + 1})",
+                        f"too old resource version: {start_rv} ({self.compacted_rv})",
                     ),
                 },
             )
