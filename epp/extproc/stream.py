@@ -22,8 +22,9 @@ Envoy's access-log entry for the request ends it (epp/completion.py). Without a
 protocol_config the stream is taken to be GIE's.
 
 Envoy ends its side of the stream when it reads an ImmediateResponse, and
-ignores whatever comes after it; messages it sent before reading it (the rest of
-a FULL_DUPLEX body rejected with a 413) are dropped in ANSWERED, unanswered.
+ignores whatever comes after it. The server ends the stream there too (below);
+a message that still reaches `handle` in ANSWERED (the rest of a FULL_DUPLEX body
+rejected with a 413, sent before Envoy read the 413) is dropped, unanswered.
 
 Once a stream is `over` (the response has ended, or the EPP answered the client
 itself), the server ends it with status OK at once; Envoy then stops sending for

@@ -16,8 +16,9 @@ for two simulated pods; Envoy runs as a child process with
 runtime flag (Envoy's default); a child process sends `--requests` completions
 through it, `--concurrency` at a time, after a warm-up of a quarter as many. Before
 and after, this process collects garbage and reads the C allocator's bytes in use
-(glibc's `mallinfo2`): the difference over the requests is what the EPP kept (the
-Python heap's own arenas are counted too, so a leak of Python objects shows as well).
+(glibc's `mallinfo2`): the difference over the requests is what the EPP kept in
+native memory and in Python objects over 512 bytes. Python's small objects live in
+arenas it maps itself, which this does not see; the soak's RSS covers those.
 """
 
 from __future__ import annotations
