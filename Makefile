@@ -17,7 +17,7 @@ PEER_VENV := .venv-peers
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := epp/_proto/.stamp
 
-.PHONY: all install proto lint typecheck unit test demo bench-overhead peers clean
+.PHONY: all install proto lint typecheck unit test stress demo bench-overhead peers clean
 
 all: test
 
@@ -50,6 +50,11 @@ unit: install $(XDS_VENV)/.installed
 	EPP_XDS_PYTHON=$(abspath $(XDS_VENV))/bin/python $(VENV)/bin/pytest
 
 test: lint typecheck unit
+
+# The load ladder through real Envoy (docs/reliability.md, "Ending ext_proc
+# streams"): minutes, not part of `make test`.
+stress: install
+	$(PY) -m tests.perf.envoy_ladder --out out/envoy-ladder
 
 demo: install
 	$(PY) -m bench demo

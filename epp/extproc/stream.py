@@ -30,7 +30,8 @@ Once a stream is `over` (the response has ended, or the EPP answered the client
 itself), the server ends it with status OK at once; Envoy then stops sending for
 this request. Envoy's own end of a stream it still holds is a half-close and a
 reset, unless its `ext_proc_graceful_grpc_close` runtime flag is on (the shipped
-Envoy configs set it).
+Envoy configs set it, with the gRPC client cache setting without which the flag
+crashes Envoy: docs/reliability.md, "Ending ext_proc streams").
 
 `handle` never raises: an `EppError` becomes an ImmediateResponse with its status,
 any other exception a 500 (and a log line with the traceback).

@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,12 +71,15 @@ def running_stack(
     lean: bool = False,
     endpoints_file: Path | None = None,
     config_text: str = CONFIG,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    change_envoy: Callable[[dict[str, Any]], None] | None = None,
 ) -> Iterator[Stack]:
     """Upstreams, `epp serve` and Envoy with manifests/envoy/envoy.yaml (GIE's
     protocol) or envoy-lean.yaml (`lean`), all stopped on exit.
 
     With `endpoints_file` (a simulator fleet's, say) the EPP routes to those
-    endpoints instead, and no recording upstream is started."""
+    endpoints instead, and no recording upstream is started. `change_envoy` edits
+    Envoy's bootstrap (a dict) before Envoy starts."""
     with contextlib.ExitStack() as cleanup:
         upstreams = Upstreams(3 if endpoints_file is None else 0).start()
         cleanup.callback(upstreams.stop)
@@ -90,16 +94,16 @@ def running_stack(
             workdir,
             ports,
             config_file=config,
-            extra_args=["--debug-endpoints", "--max-body-bytes", str(MAX_BODY_BYTES)],
+            extra_args=["--debug-endpoints", "--max-body-bytes", str(max_body_bytes)],
         )
         cleanup.callback(epp.stop)
         envoy_port, admin_port = free_port(), free_port()
-        envoy = start_envoy(
-            envoy_config(
-                listen_port=envoy_port, epp_port=ports.grpc, admin_port=admin_port, lean=lean
-            ),
-            workdir,
+        bootstrap = envoy_config(
+            listen_port=envoy_port, epp_port=ports.grpc, admin_port=admin_port, lean=lean
         )
+        if change_envoy is not None:
+            change_envoy(bootstrap)
+        envoy = start_envoy(bootstrap, workdir)
         cleanup.callback(envoy.stop)
         yield Stack(upstreams, epp, envoy, ports, envoy_port, admin_port, workdir)
 

@@ -6,6 +6,12 @@ upstream sends the first event, then waits until the test calls
 `Upstreams.release("<key>")` before it sends the rest. A test thus sees a response
 that is still streaming for as long as it needs, without relying on timing.
 
+More knobs in the body, for the stress tests: `"event_delay": s` waits that long
+before each streamed event after the first (a model generating tokens);
+`"fail": "status"` answers 500 with an error document; `"fail": "abort"` streams
+the first event (and waits for `hold`, if any), then drops the connection, as a
+model server that crashes mid-answer.
+
 They run on their own event loop in a background thread, so they live across tests
 while Envoy and the EPP run as separate processes.
 """
@@ -83,18 +89,34 @@ class Upstream:
             document: Any = json.loads(body) if body else {}
         except ValueError:
             document = {}
-        if isinstance(document, dict) and document.get("stream"):
+        if not isinstance(document, dict):
+            document = {}
+        fail = document.get("fail")
+        if fail == "status":
+            error = {"error": {"message": "the model server failed", "code": 500}}
+            return web.json_response(error, status=500, headers=headers)
+        if document.get("stream") or fail == "abort":
             response = web.StreamResponse(headers={**headers, "content-type": "text/event-stream"})
             await response.prepare(request)
             events = sse_events(
                 int(document.get("max_tokens", 5)), int(document.get("big_event", 0))
             )
             hold = document.get("hold")
-            for i, event in enumerate(events):
-                await response.write(event)
-                if i == 0 and isinstance(hold, str):
-                    await self.gates.setdefault(hold, asyncio.Event()).wait()
-            await response.write_eof()
+            delay = float(document.get("event_delay", 0))
+            try:
+                for i, event in enumerate(events):
+                    if i > 0 and delay:
+                        await asyncio.sleep(delay)
+                    await response.write(event)
+                    if i == 0 and isinstance(hold, str):
+                        await self.gates.setdefault(hold, asyncio.Event()).wait()
+                    if i == 0 and fail == "abort":
+                        assert request.transport is not None
+                        request.transport.abort()
+                        return response
+                await response.write_eof()
+            except ConnectionResetError:
+                pass  # the client (or Envoy for it) hung up
             return response
         answer = {
             "object": "text_completion",

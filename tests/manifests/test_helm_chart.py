@@ -862,8 +862,10 @@ def test_the_envoy_bootstrap_is_valid_for_envoy(name: str, tmp_path: Path) -> No
 def test_envoy_uses_the_projects_ext_proc_settings(name: str) -> None:
     bootstrap = _envoy_bootstrap(rendered(name))
     standalone = yaml.safe_load((ROOT / "manifests" / "envoy" / "envoy.yaml").read_text())
-    # The graceful stream end (docs/reliability.md, "Soak"): the same runtime layer.
-    assert bootstrap["layered_runtime"] == standalone["layered_runtime"]
+    # The graceful stream end, and the client cache that keeps it from crashing
+    # Envoy (docs/reliability.md, "Ending ext_proc streams"): as in envoy.yaml.
+    for key in ("layered_runtime", "grpc_async_client_manager_config"):
+        assert bootstrap[key] == standalone[key], key
     ours = _ext_proc(bootstrap)
     shipped = _ext_proc(standalone)
     for key in ("message_timeout", "metadata_options"):

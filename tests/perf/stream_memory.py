@@ -30,6 +30,8 @@ import ctypes.util
 import gc
 import json
 import multiprocessing
+import shlex
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -139,7 +141,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8000, help="measured, per config")
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
-    print(json.dumps(run(args.requests, args.concurrency), indent=2))
+    result = run(args.requests, args.concurrency)
+    command = "python -m tests.perf.stream_memory " + shlex.join(sys.argv[1:])
+    print(json.dumps({"command": command, **result}, indent=2))
 
 
 if __name__ == "__main__":
