@@ -55,8 +55,7 @@ from bench.longrun import (
     Outcome,
     PrefixSpace,
     fetch_json,
-    fetch_text,
-    parse_samples,
+    fetch_page,
     total,
     wait_for,
 )
@@ -311,8 +310,8 @@ async def _measure(
             )
         routed = []
         for admin in admin_urls:
-            samples = parse_samples(await fetch_text(session, admin + "/metrics"))
-            routed.append(total(samples, "epp_requests_total"))
+            page = await fetch_page(session, admin + "/metrics")
+            routed.append(total(page, "epp_requests_total"))
     facts = {
         "load_s": load_s,
         "settle_s": settle_s,

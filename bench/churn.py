@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from bench.overhead import process_cpu_seconds
 from bench.stack import EppPorts, ManagedProcess, start_epp
+from bench.stats import in_ms, percentile
 from epp._proto.envoy.config.core.v3 import base_pb2 as core
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -206,14 +207,6 @@ class Churner:
         return change
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of sorted values (NaN if there are none)."""
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
 def summarize(changes: Sequence[Change]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in KINDS:
@@ -221,16 +214,17 @@ def summarize(changes: Sequence[Change]) -> dict[str, Any]:
         latencies = sorted(c.latency_s for c in of_kind if c.latency_s is not None)
         floors = sorted(c.floor_s for c in of_kind if c.floor_s is not None)
         rtts = sorted(c.seen - c.probe_sent for c in of_kind if c.seen is not None and c.probe_sent)
+        # A kind with no seen change has no percentiles: NaN in churn.json.
         out[kind] = {
             "changes": len(of_kind),
             "missed": sum(1 for c in of_kind if c.seen is None),
-            "p50_ms": percentile(latencies, 0.50) * 1000,
-            "p90_ms": percentile(latencies, 0.90) * 1000,
-            "p99_ms": percentile(latencies, 0.99) * 1000,
-            "max_ms": (latencies[-1] if latencies else float("nan")) * 1000,
-            "floor_p50_ms": percentile(floors, 0.50) * 1000,
-            "floor_p99_ms": percentile(floors, 0.99) * 1000,
-            "probe_rtt_p50_ms": percentile(rtts, 0.50) * 1000,
+            "p50_ms": in_ms(percentile(latencies, 0.50)),
+            "p90_ms": in_ms(percentile(latencies, 0.90)),
+            "p99_ms": in_ms(percentile(latencies, 0.99)),
+            "max_ms": in_ms(latencies[-1] if latencies else None),
+            "floor_p50_ms": in_ms(percentile(floors, 0.50)),
+            "floor_p99_ms": in_ms(percentile(floors, 0.99)),
+            "probe_rtt_p50_ms": in_ms(percentile(rtts, 0.50)),
         }
     return out
 

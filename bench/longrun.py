@@ -15,11 +15,13 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from epp.sources.metrics import read_series
 
 MODEL = "sim-model"
 POD_HEADER = "x-sim-pod"
@@ -168,37 +170,31 @@ class OpenLoop:
 # -- the EPP's /metrics --------------------------------------------------------------------
 
 
-def parse_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text: sample name -> [(labels, value)] (labels without escapes:
-    the EPP's own label values never need them)."""
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, brace, rest = head.partition("{")
-        labels: dict[str, str] = {}
-        if brace:
-            for pair in rest.rstrip("}").split('",'):
-                if "=" in pair:
-                    key, _, val = pair.partition("=")
-                    labels[key.strip(",")] = val.strip('"')
-        samples.setdefault(name, []).append((labels, float(value)))
-    return samples
+def _series(page: bytes, name: str) -> list[tuple[Mapping[str, str], float]]:
+    """The samples of the series `name` on a Prometheus text page, as (labels,
+    value), read by the EPP's own reader. A line of that series that cannot be read
+    raises ValueError: a measurement must not sum a series it half read."""
+    read = read_series(page, name)
+    if read.problems:
+        raise ValueError("; ".join(read.problems))
+    return [(sample.labels, sample.value) for sample in read.samples]
 
 
-def total(samples: Mapping[str, list[tuple[dict[str, str], float]]], name: str) -> float:
-    """The sum of a sample over its label sets (0 when absent)."""
-    return sum(value for _, value in samples.get(name, []))
+def total(page: bytes, name: str, **labels: str) -> float:
+    """The sum of the series `name` over its label sets that carry `labels`
+    (all of them when none are given); 0 when absent."""
+    return sum(
+        value
+        for found, value in _series(page, name)
+        if all(found.get(key) == want for key, want in labels.items())
+    )
 
 
-def histogram(
-    samples: Mapping[str, list[tuple[dict[str, str], float]]], name: str
-) -> dict[float, float]:
+def histogram(page: bytes, name: str) -> dict[float, float]:
     """A histogram's cumulative bucket counts, upper bound -> count (summed over
     other labels)."""
     buckets: dict[float, float] = {}
-    for labels, value in samples.get(name + "_bucket", []):
+    for labels, value in _series(page, name + "_bucket"):
         bound = float(labels["le"])
         buckets[bound] = buckets.get(bound, 0.0) + value
     return dict(sorted(buckets.items()))
@@ -229,9 +225,10 @@ def quantile(
     return bounds[-1]
 
 
-async def fetch_text(session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> str:
+async def fetch_page(session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> bytes:
+    """A page's body as bytes (what the EPP's metrics reader reads)."""
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-        return await response.text()
+        return await response.read()
 
 
 async def fetch_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> Any:
@@ -249,14 +246,6 @@ def rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (None if there are no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 async def wait_for(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:

@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +47,7 @@ from bench.stack import (
     start_epp,
     write_endpoints_file,
 )
+from bench.stats import latency_ms
 
 UPSTREAM_ANSWER = json.dumps(
     {
@@ -137,23 +137,13 @@ class LatencyStats:
     rps: float
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
 def summarize(latencies: list[float], errors: int, wall_s: float) -> LatencyStats:
-    values = sorted(latencies)
+    """The latencies (seconds, any order) of one arm; NaN percentiles without any."""
     return LatencyStats(
-        requests=len(values),
+        requests=len(latencies),
         errors=errors,
-        p50_ms=_percentile(values, 0.50) * 1000,
-        p90_ms=_percentile(values, 0.90) * 1000,
-        p99_ms=_percentile(values, 0.99) * 1000,
-        mean_ms=statistics.fmean(values) * 1000 if values else float("nan"),
-        rps=len(values) / wall_s if wall_s > 0 else 0.0,
+        **latency_ms(latencies),
+        rps=len(latencies) / wall_s if wall_s > 0 else 0.0,
     )
 
 

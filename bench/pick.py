@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -39,21 +38,24 @@ import msgspec
 import yaml
 import zmq.asyncio
 
+from bench.stats import latency_ms
 from epp.config import load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.kvindex.alignment import AlignmentChecker
-from epp.kvindex.hashing import EngineHasher, token_bytes, token_ids
+from epp.kvindex.events import decode_batch
+from epp.kvindex.hashing import EngineHasher
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
+from epp.kvindex.service import PrecisePrefixService
+from epp.kvindex.subscriber import KVEventStream, SubscriberSettings
 from epp.logs import LogOnce
 from epp.requests import parse_request
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo
-from epp.sources.kv_events import KVEventStream, SubscriberSettings
-from epp.sources.kv_wire import decode_batch
 from epp.telemetry import Telemetry
 from epp.tokenization.tokenizer import PromptTokenizer
+from epp.tokenization.tokens import token_bytes, token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT.parent / "shared" / "testdata" / "tokenizers" / "qwen2_5"
@@ -184,18 +186,8 @@ _CONFIG = yaml.safe_dump(
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {
-        "n": len(ordered),
-        "p50_ms": at(0.50) * 1e3,
-        "p90_ms": at(0.90) * 1e3,
-        "p99_ms": at(0.99) * 1e3,
-        "mean_ms": statistics.fmean(ordered) * 1e3,
-    }
+    """n, then p50/p90/p99/mean in ms of pick times in seconds (pick.json's shape)."""
+    return {"n": len(samples), **latency_ms(samples)}
 
 
 class Texts:
@@ -247,7 +239,7 @@ def _fill(
 @dataclass
 class PickSetup:
     director: Director
-    plugin: Any
+    service: PrecisePrefixService
     tokenizer: PromptTokenizer
     texts: Texts
     system: str
@@ -260,14 +252,15 @@ async def _setup(pods: int) -> PickSetup:
         for i in range(pods)
     )
     config = load_config(_CONFIG, PluginRegistry.from_entry_points(), datastore=datastore)
-    plugin: Any = config.plugins["prefix"]
-    await plugin.tokenizers.load()
-    tokenizer = plugin.tokenizers.resolve("m").tokenizer
+    service = config.services["prefix"]
+    assert isinstance(service, PrecisePrefixService)
+    await service.tokenizers.load()
+    tokenizer = service.tokenizers.resolve("m").tokenizer
     assert tokenizer is not None
     director = Director(datastore, config, Telemetry(datastore))
     # The subscriber is not started: the pods' streams are fed by hand, through the
     # same ingestion path as live events.
-    sinks = [plugin.precise.add_stream(e, 0) for e in datastore.all_endpoints()]
+    sinks = [service.precise.add_stream(e, 0) for e in datastore.all_endpoints()]
     hasher = EngineHasher("sha256", "0", 16)
     _fill(sinks, hasher, random.Random(7), 4096)  # 16 x 4096 blocks of other prompts
     texts = Texts(tokenizer)
@@ -276,7 +269,7 @@ async def _setup(pods: int) -> PickSetup:
     system_ids = token_ids(tokenizer.encode_now("<|im_start|>system\n" + system + "<|im_end|>\n"))
     for sink in sinks[3:5]:
         sink.apply(_payload(_engine_event(hasher, system_ids)))
-    return PickSetup(director, plugin, tokenizer, texts, system)
+    return PickSetup(director, service, tokenizer, texts, system)
 
 
 async def _timed_pick(director: Director, request: Any) -> tuple[float, str]:
@@ -322,7 +315,7 @@ async def measure_completion(setup: PickSetup, iterations: int) -> dict[str, Any
     tokenizer's own word cache), so the two take turns at going first. Then the same
     request is picked again, its tokens now cached: the EPP's own work for it."""
     encode = setup.tokenizer._model.encode_batch_fast
-    executor = setup.plugin.tokenizers.executor
+    executor = setup.service.tokenizers.executor
     loop = asyncio.get_running_loop()
 
     def tokenize(text: str) -> bytes:
@@ -371,10 +364,10 @@ async def measure_pick(pods: int, iterations: int, warmup: int) -> dict[str, Any
         return {
             "a_chat_2000_cached_plus_200_new": await measure_chat(setup, iterations, warmup),
             "b_completion_8000_unseen": await measure_completion(setup, max(20, iterations // 10)),
-            "index_entries": setup.plugin.precise.index.stats.entries,
+            "index_entries": setup.service.precise.index.stats.entries,
         }
     finally:
-        setup.plugin.tokenizers.close()
+        setup.service.tokenizers.close()
 
 
 def _ingest_payloads(

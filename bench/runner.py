@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import random
 import signal
@@ -57,7 +56,9 @@ from bench.stack import (
     start_epp,
     start_sim_fleet,
 )
+from bench.stats import percentile
 from bench.workloads import Workload, WorkloadSpec, load_words, token_sequences
+from epp.sources.metrics import read_series
 
 CONFIG_DIR = ROOT / "manifests" / "config"
 MODEL = "sim-model"
@@ -195,16 +196,18 @@ METRICS = {
 }
 
 
-def parse_counters(metrics_text: str) -> dict[str, float]:
-    """The counters of METRICS from a Prometheus text page (summed over label sets)."""
+def parse_counters(page: bytes) -> dict[str, float]:
+    """The counters of METRICS on a Prometheus text page, each summed over its label
+    sets (a vLLM pod with data-parallel engines reports one per engine), read by the
+    EPP's own reader; a counter not on the page is left out (PodCounters' 0). A line
+    of one that cannot be read raises ValueError rather than count as 0."""
     values: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = METRICS.get(name)
-        if key is not None:
-            values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for name, key in METRICS.items():
+        read = read_series(page, name)
+        if read.problems:
+            raise ValueError("; ".join(read.problems))
+        if read.samples:
+            values[key] = sum(sample.value for sample in read.samples)
     return values
 
 
@@ -215,7 +218,7 @@ def _get(url: str) -> bytes:
 
 
 def read_counters(address: str) -> PodCounters:
-    values = parse_counters(_get(f"http://{address}/metrics").decode())
+    values = parse_counters(_get(f"http://{address}/metrics"))
     state = json.loads(_get(f"http://{address}/sim/state"))["counters"]
     return PodCounters(
         requests=int(state["requests"]),
@@ -227,20 +230,6 @@ def read_counters(address: str) -> PodCounters:
 
 def read_fleet(pods: Sequence[tuple[str, str]]) -> dict[str, PodCounters]:
     return {name: read_counters(address) for name, address in pods}
-
-
-# -- statistics ----------------------------------------------------------------------------
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not sorted_values:
-        return None
-    position = q * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    fraction = position - low
-    return sorted_values[low] * (1 - fraction) + sorted_values[high] * fraction
 
 
 def summarize(
@@ -281,7 +270,7 @@ def summarize(
     elif errors:
         status = "errors"
     return {
-        # DESIGN §3.4's keys.
+        # docs/architecture.md, "The benchmark's result file"'s keys.
         "hit_rate": hits / queries if queries else None,
         "ttft_p50_s": percentile(ttft, 0.50),
         "ttft_p90_s": percentile(ttft, 0.90),

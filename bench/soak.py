@@ -56,10 +56,8 @@ from bench.longrun import (
     OpenLoop,
     Outcome,
     PrefixSpace,
-    fetch_text,
+    fetch_page,
     histogram,
-    parse_samples,
-    percentile,
     quantile,
     rss_bytes,
     total,
@@ -73,6 +71,7 @@ from bench.stack import (
     start_envoy,
     start_epp,
 )
+from bench.stats import median, percentile
 
 # Errors within this long after a pod kill are counted as the kill's.
 CHURN_WINDOW_S = 5.0
@@ -176,9 +175,9 @@ async def _sample(
     started: float,
     previous: dict[str, Any],
 ) -> Sample:
-    samples = parse_samples(await fetch_text(session, admin + "/metrics"))
-    pick = histogram(samples, "epp_scheduler_duration_seconds")
-    processing = histogram(samples, "epp_request_processing_duration_seconds")
+    page = await fetch_page(session, admin + "/metrics")
+    pick = histogram(page, "epp_scheduler_duration_seconds")
+    processing = histogram(page, "epp_request_processing_duration_seconds")
     now = time.monotonic()
     seen = len(load.outcomes)
     window = load.outcomes[previous.get("seen", 0) : seen]
@@ -186,25 +185,19 @@ async def _sample(
         t_s=now - started,
         window_s=now - previous.get("at", started),
         rss_bytes=rss_bytes(pid),
-        index_entries=total(samples, "epp_kv_index_entries"),
-        index_max_entries=total(samples, "epp_kv_index_max_entries"),
-        index_evicted_entries=total(samples, "epp_kv_index_evicted_entries_total"),
+        index_entries=total(page, "epp_kv_index_entries"),
+        index_max_entries=total(page, "epp_kv_index_max_entries"),
+        index_evicted_entries=total(page, "epp_kv_index_evicted_entries_total"),
         pick_p99_s=quantile(0.99, pick, previous.get("pick")),
         processing_p99_s=quantile(0.99, processing, previous.get("processing")),
         requests_ok=sum(o.ok for o in window),
         requests_failed=sum(not o.ok for o in window),
         latency_p99_s=percentile([o.latency_s for o in window if o.ok], 0.99),
-        kv_gaps=total(samples, "epp_kv_event_gaps_total"),
-        kv_replays=sum(
-            v for labels, v in samples.get("epp_kv_event_replays_total", [])
-            if labels.get("result") == "requested"
-        ),
-        kv_restarts=sum(
-            v for labels, v in samples.get("epp_kv_index_resets_total", [])
-            if labels.get("reason") == "restart"
-        ),
-        in_flight=total(samples, "epp_in_flight_requests"),
-    )  # fmt: skip
+        kv_gaps=total(page, "epp_kv_event_gaps_total"),
+        kv_replays=total(page, "epp_kv_event_replays_total", result="requested"),
+        kv_restarts=total(page, "epp_kv_index_resets_total", reason="restart"),
+        in_flight=total(page, "epp_in_flight_requests"),
+    )
     previous.update(pick=pick, processing=processing, seen=seen, at=now)
     return sample
 
@@ -390,16 +383,6 @@ def _slope(points: Sequence[tuple[float, float]]) -> float | None:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    """The median of the known values: one slow interval (a warm-up, a kill) does
-    not make a quarter."""
-    known = sorted(v for v in values if v is not None)
-    if not known:
-        return None
-    middle = len(known) // 2
-    return known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
-
-
 def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
     samples = state.samples
     rss = [(s.t_s, s.rss_bytes / 2**20) for s in samples if s.rss_bytes is not None]
@@ -420,9 +403,11 @@ def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         errors[o.error or "error"] = errors.get(o.error or "error", 0) + 1
     bound = max((s.index_max_entries for s in samples), default=0.0)
     largest = max((s.index_entries for s in samples), default=0.0)
+    # A quarter's p99 is the median of its intervals' p99s (intervals without
+    # picks skipped): one slow interval, a warm-up or a kill, does not make a quarter.
     pick_first, pick_last = (
-        _median([s.pick_p99_s for s in first]),
-        _median([s.pick_p99_s for s in last]),
+        median([s.pick_p99_s for s in first]),
+        median([s.pick_p99_s for s in last]),
     )
     return {
         "requests": len(outcomes),
@@ -443,8 +428,8 @@ def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "pick_p99_first_quarter_s": pick_first,
         "pick_p99_last_quarter_s": pick_last,
         "pick_p99_drift": (pick_last / pick_first) if pick_first and pick_last else None,
-        "processing_p99_first_quarter_s": _median([s.processing_p99_s for s in first]),
-        "processing_p99_last_quarter_s": _median([s.processing_p99_s for s in last]),
+        "processing_p99_first_quarter_s": median([s.processing_p99_s for s in first]),
+        "processing_p99_last_quarter_s": median([s.processing_p99_s for s in last]),
         "latency_p99_s": percentile([o.latency_s for o in outcomes if o.ok], 0.99),
         "kv_gaps": samples[-1].kv_gaps if samples else 0,
         "kv_replays": samples[-1].kv_replays if samples else 0,

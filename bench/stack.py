@@ -478,7 +478,8 @@ class Pods:
                 pod.process.stop()
 
     def endpoints_file(self, path: Path) -> Path:
-        """The endpoints file (DESIGN §3.1) naming every pod and its KV-event sockets."""
+        """The endpoints file (docs/architecture.md, "Processes, ports, the endpoints
+        file") naming every pod and its KV-event sockets."""
         document = {
             "endpoints": [
                 {
@@ -529,7 +530,8 @@ def start_sim_fleet(
 
 
 def write_endpoints_file(path: Path, pods: Sequence[tuple[str, str]]) -> Path:
-    """An endpoints file (DESIGN §3.1) for (name, ip:port) pairs."""
+    """An endpoints file (docs/architecture.md, "Processes, ports, the endpoints
+    file") for (name, ip:port) pairs."""
     document = {"endpoints": [{"name": name, "address": address} for name, address in pods]}
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path

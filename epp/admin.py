@@ -92,6 +92,7 @@ class AdminServer:
 
     async def endpoints(self, request: web.Request) -> web.Response:
         now = time.monotonic()
+        describers = self.director.config.endpoint_describers()
         out = []
         for endpoint in self.datastore.all_endpoints():
             entry: dict[str, Any] = {
@@ -104,9 +105,9 @@ class AdminServer:
                 "metrics": describe_metrics(endpoint.metrics, now),
                 "inFlight": endpoint.in_flight,
             }
-            # Facts the plugins of the running config add (their index state, say).
-            for provider in self.director.config.background.endpoint_info:
-                entry.update(provider(endpoint))
+            # Facts the services and plugins of the running config add (index state).
+            for describer in describers:
+                entry.update(describer.describe_endpoint(endpoint))
             out.append(entry)
         return _json_response(out)
 

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
-from epp import accesslog, tls
+from epp import accesslog, defaults, tls
 from epp.accesslog import AccessLogService
 from epp.admin import AdminServer
 from epp.completion import DEFAULT_TIMEOUT_S, CompletionTracker
@@ -72,26 +72,26 @@ class ServeOptions:
     kube: KubeOptions | None = None
     config_file: str | None = None
     config_text: str | None = None
-    bind: str = "0.0.0.0"
-    grpc_port: int = 9002
-    grpc_health_port: int = 9003
-    metrics_port: int = 9090
+    bind: str = defaults.BIND
+    grpc_port: int = defaults.GRPC_PORT
+    grpc_health_port: int = defaults.GRPC_HEALTH_PORT
+    metrics_port: int = defaults.METRICS_PORT
     debug_endpoints: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_prompts: bool = False
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = defaults.SHUTDOWN_GRACE.seconds
     # Lean mode: how long a routed request may wait for its access-log entry.
     lean_completion_timeout_s: float = DEFAULT_TIMEOUT_S
     # Model-server metrics (GIE's flags): scrape period, when data stops being
     # trusted, and how long a scrape may take.
-    refresh_metrics_interval_s: float = 0.05
-    metrics_staleness_threshold_s: float = 2.0
-    metrics_scrape_timeout_s: float = 1.0
+    refresh_metrics_interval_s: float = defaults.REFRESH_METRICS_INTERVAL.seconds
+    metrics_staleness_threshold_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds
+    metrics_scrape_timeout_s: float = defaults.METRICS_SCRAPE_TIMEOUT.seconds
     # How often the --config file is checked for a new version (0: never).
-    config_reload_interval_s: float = 1.0
+    config_reload_interval_s: float = defaults.CONFIG_RELOAD_INTERVAL.seconds
     # A replaced config's background tasks stop when its last request ends, or
     # after this long.
-    config_drain_timeout_s: float = 600.0
+    config_drain_timeout_s: float = defaults.CONFIG_DRAIN_TIMEOUT.seconds
     # TLS on the ext_proc port (epp/tls.py): a certificate directory, or a
     # self-signed certificate made at start-up; optionally reloaded when renewed.
     secure_serving: bool = False
@@ -99,7 +99,7 @@ class ServeOptions:
     enable_cert_reload: bool = False
     # ext_proc streams open at once; past it a new request is answered 503 at once
     # (0: no limit).
-    max_concurrent_streams: int = 0
+    max_concurrent_streams: int = defaults.MAX_CONCURRENT_STREAMS
 
 
 class StartupError(Exception):

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from epp import __version__
+from epp import __version__, defaults
 from epp.app import EppApp, ServeOptions, StartupError
 from epp.completion import DEFAULT_TIMEOUT_S
 from epp.config import InvalidConfig, load_config_file
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument(
         "--config-reload-interval",
         type=_duration_or_zero,
-        default="1s",
+        default=defaults.CONFIG_RELOAD_INTERVAL.text,
         metavar="DURATION",
         help="how often the --config file is checked for a new version, applied without a"
         " restart if valid (0: never)",
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument(
         "--config-drain-timeout",
         type=_duration,
-        default="10m",
+        default=defaults.CONFIG_DRAIN_TIMEOUT.text,
         metavar="DURATION",
         help="after a reload, the old config's background tasks stop when its last request"
         " ends, or after this long",
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--pool-namespace",
         metavar="NS",
-        default=os.environ.get("NAMESPACE") or "default",
+        default=os.environ.get("NAMESPACE") or defaults.POOL_NAMESPACE,
         help="the namespace of the pool and its pods ($NAMESPACE when set)",
     )
     src.add_argument(
@@ -231,21 +231,26 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--kube-watch-timeout",
         type=_duration,
-        default="60s",
+        default=defaults.KUBE_WATCH_TIMEOUT.text,
         metavar="DURATION",
         help="each watch asks the API server to end it after a time drawn from"
         " [DURATION, 2 x DURATION); a watch silent for that long plus 15s is presumed dead",
     )
     net = serve.add_argument_group("network")
-    net.add_argument("--bind", default="0.0.0.0", help="address to listen on")
-    net.add_argument("--grpc-port", type=_port, default=9002, help="ext_proc gRPC port")
+    net.add_argument("--bind", default=defaults.BIND, help="address to listen on")
     net.add_argument(
-        "--grpc-health-port", type=_port, default=9003, help="gRPC health-checking port"
+        "--grpc-port", type=_port, default=defaults.GRPC_PORT, help="ext_proc gRPC port"
+    )
+    net.add_argument(
+        "--grpc-health-port",
+        type=_port,
+        default=defaults.GRPC_HEALTH_PORT,
+        help="gRPC health-checking port",
     )
     net.add_argument(
         "--metrics-port",
         type=_port,
-        default=9090,
+        default=defaults.METRICS_PORT,
         help="admin HTTP port: /metrics, /healthz, /readyz",
     )
     net.add_argument(
@@ -276,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--shutdown-grace",
         type=_duration_or_zero,
-        default="5s",
+        default=defaults.SHUTDOWN_GRACE.text,
         metavar="DURATION",
         help="on SIGTERM, how long open streams may take to finish",
     )
@@ -290,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument(
         "--max-concurrent-streams",
         type=_non_negative,
-        default=0,
+        default=defaults.MAX_CONCURRENT_STREAMS,
         metavar="N",
         help="ext_proc streams (requests in the EPP's hands, response included) served at"
         " once; a request beyond it is answered 503 at once, whatever Envoy's"
@@ -311,21 +316,21 @@ def build_parser() -> argparse.ArgumentParser:
     met.add_argument(
         "--refresh-metrics-interval",
         type=_duration,
-        default="50ms",
+        default=defaults.REFRESH_METRICS_INTERVAL.text,
         metavar="DURATION",
         help="how often each endpoint's /metrics is scraped (GIE's flag; 50ms, 1s, ...)",
     )
     met.add_argument(
         "--metrics-staleness-threshold",
         type=_duration,
-        default="2s",
+        default=defaults.METRICS_STALENESS_THRESHOLD.text,
         metavar="DURATION",
         help="metrics older than this are stale: plugins score the endpoint neutrally",
     )
     met.add_argument(
         "--metrics-scrape-timeout",
         type=_duration,
-        default="1s",
+        default=defaults.METRICS_SCRAPE_TIMEOUT.text,
         metavar="DURATION",
         help="a scrape with no complete answer by then has failed",
     )
@@ -335,13 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve /debug/endpoints and /debug/explain on the admin port",
     )
-    obs.add_argument("--log-format", choices=["text", "json"], default="text")
+    obs.add_argument("--log-format", choices=["text", "json"], default=defaults.LOG_FORMAT)
     obs.add_argument(
         "-v",
         "--v",
         dest="verbosity",
         type=int,
-        default=2,
+        default=defaults.LOG_VERBOSITY,
         metavar="N",
         help="log verbosity: 1 warnings, 2 info, 3 one line per request, 4+ debug",
     )

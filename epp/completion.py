@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from typing import Final
 
+from epp.clock import Clock
 from epp.director import Decision, Director
 from epp.scheduling.types import ResponseInfo
 from epp.telemetry import Telemetry
@@ -50,7 +49,7 @@ class CompletionTracker:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_waiting: int = DEFAULT_MAX_WAITING,
         warn_after_s: float = DEFAULT_WARN_AFTER_S,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         if timeout_s <= 0 or max_waiting <= 0:
             raise ValueError("the timeout and the bound must be positive")
@@ -59,7 +58,9 @@ class CompletionTracker:
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
         self.warn_after_s = warn_after_s
-        self.clock = clock
+        # The director's clock unless told otherwise: deadlines and durations
+        # on the time requests are picked at.
+        self.clock = clock if clock is not None else director.clock
         # Every waiting request with its id and deadline, oldest first: one timeout
         # for all makes insertion order the deadline order, so expiry only ever
         # looks at the front.
@@ -220,7 +221,7 @@ class CompletionTracker:
                 status=status,
                 usage=None,
                 duration_s=(
-                    duration_s if duration_s is not None else time.monotonic() - decision.picked_at
+                    duration_s if duration_s is not None else self.clock() - decision.picked_at
                 ),
             ),
         )

@@ -9,11 +9,12 @@ Plugins only read, and only during a pick.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final
+
+from epp import defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,23 +41,20 @@ KV_CACHE_USAGE: Final = "kvCacheUsage"
 LORA: Final = "lora"
 CACHE_INFO: Final = "cacheInfo"
 
-# GIE's --metrics-staleness-threshold default.
-DEFAULT_STALENESS_S: Final = 2.0
-
 
 @dataclass(frozen=True, slots=True)
 class EndpointMetrics:
     """A snapshot of an endpoint's model-server metrics, replaced as a whole.
 
-    `updated_at` is `time.monotonic()` of the last scrape that produced these values
-    (0.0: never scraped). A snapshot older than `staleness_s` is stale: plugins must
-    not trust its values (they score it neutrally). So is one whose latest scrape
-    found the server `unreachable` (connection refused, no route): nothing listens
-    there any more, so the last good values, however recent, describe a pod that is
-    gone, and waiting for them to age would send it requests that cannot succeed.
-    A fact the page did not carry, or carried as NaN, infinity or a negative number,
-    is in `missing` with the reason, and its field holds the default, which is not a
-    fact either."""
+    `updated_at` is the source's clock (production: `time.monotonic()`) at the last
+    scrape that produced these values (0.0: never scraped). A snapshot older than
+    `staleness_s` is stale: plugins must not trust its values (they score it
+    neutrally). So is one whose latest scrape found the server `unreachable`
+    (connection refused, no route): nothing listens there any more, so the last
+    good values, however recent, describe a pod that is gone, and waiting for them
+    to age would send it requests that cannot succeed. A fact the page did not
+    carry, or carried as NaN, infinity or a negative number, is in `missing` with
+    the reason, and its field holds the default, which is not a fact either."""
 
     waiting_requests: int = 0
     running_requests: int = 0
@@ -70,7 +68,7 @@ class EndpointMetrics:
     custom: Mapping[str, float] = field(default_factory=dict)
     updated_at: float = 0.0
     # Set by the metrics source (--metrics-staleness-threshold).
-    staleness_s: float = DEFAULT_STALENESS_S
+    staleness_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds
     # Fact name (WAITING, ...) -> why it is not known.
     missing: Mapping[str, str] = field(default_factory=dict)
     # Why the latest scrape failed (timeout, HTTP error, unusable page), while the
@@ -79,15 +77,17 @@ class EndpointMetrics:
     # The latest scrape was refused (or had no route): stale now, whatever the age.
     unreachable: bool = False
 
-    def age(self, now: float | None = None) -> float:
+    # `now` is always the caller's (its clock's): a snapshot's age is never read
+    # from the wall clock behind a simulation's back.
+    def age(self, now: float) -> float:
         if self.updated_at == 0.0:
             return float("inf")
-        return (time.monotonic() if now is None else now) - self.updated_at
+        return now - self.updated_at
 
-    def stale(self, now: float | None = None) -> bool:
+    def stale(self, now: float) -> bool:
         return self.unreachable or self.age(now) > self.staleness_s
 
-    def known(self, fact: str, now: float | None = None) -> bool:
+    def known(self, fact: str, now: float) -> bool:
         """Whether `fact` (WAITING, ...) may be trusted: the snapshot is fresh and the
         page reported it with a valid value."""
         return fact not in self.missing and not self.stale(now)

@@ -20,10 +20,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from epp.clock import SYSTEM_CLOCK, Clock
 from epp.config import SchedulingConfig
+from epp.config.defaults import DEFAULT_PRIORITY
 from epp.datastore import Datastore, Endpoint
 from epp.errors import EppError, NoCapacity, Shed, Unavailable
 from epp.requests import InferenceRequest, rewrite_model
@@ -50,7 +52,7 @@ class Decision:
     result: SchedulingResult
     destinations: str  # "ip:port[,ip:port...]", primary first
     body: bytes  # what goes upstream: the request body, or its rewrite
-    picked_at: float = field(default_factory=time.monotonic)
+    picked_at: float  # the director's clock at the pick
     finished: bool = False
 
     @property
@@ -71,9 +73,16 @@ def _in_subset(endpoint: Endpoint, subset: frozenset[str]) -> bool:
 
 class Director:
     def __init__(
-        self, datastore: Datastore, config: SchedulingConfig, telemetry: Telemetry
+        self,
+        datastore: Datastore,
+        config: SchedulingConfig,
+        telemetry: Telemetry,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        """`clock` times requests (their pick, their duration); the pick's own CPU
+        cost is measured on `time.perf_counter` for the latency histograms."""
         self.datastore = datastore
+        self.clock = clock
         # Replaced as a whole on reload (`swap_config`); a request keeps the config
         # that picked it, to its end.
         self.config = config
@@ -146,7 +155,11 @@ class Director:
         """Raise `Shed` (429), or an admitter's error, if the request may not be
         scheduled now. `report` receives the pool's saturation when it was looked at
         (for /debug/explain)."""
-        priority = config.objectives.get(request.objective, 0) if request.objective else 0
+        priority = (
+            config.objectives.get(request.objective, DEFAULT_PRIORITY)
+            if request.objective
+            else DEFAULT_PRIORITY
+        )
         cycle.put(PRIORITY, priority)
         detector = config.saturation_detector
         if detector is not None and priority < 0:
@@ -247,6 +260,7 @@ class Director:
             result=result,
             destinations=",".join(e.address for e in targets),
             body=body,
+            picked_at=self.clock(),
         )
 
     def finish(self, decision: Decision, response: ResponseInfo) -> None:

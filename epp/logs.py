@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Final
 
+from epp import defaults
+
 VERBOSE: Final = 15  # between DEBUG and INFO: one line per request
 logging.addLevelName(VERBOSE, "VERBOSE")
 
@@ -83,7 +85,9 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(log_format: str = "text", verbosity: int = 2) -> None:
+def setup_logging(
+    log_format: str = defaults.LOG_FORMAT, verbosity: int = defaults.LOG_VERBOSITY
+) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(_RequestIdFilter())

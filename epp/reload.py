@@ -13,7 +13,7 @@ A changed file is read off the event loop, then validated and built completely
 - valid: `Director.swap_config` makes it the config of new requests in one
   assignment. Requests in flight keep the config that picked them: their
   post-response plugins run with it, and open streams are never touched. The new
-  config's background tasks (metrics scraping, KV-event subscribers, tokenizer
+  config's services (metrics scraping, KV-event subscribers, tokenizer
   loading) start at once; the old config's stop when the last request holding it
   ends (or after `drain_timeout_s`, so a request that never ends cannot keep them
   forever). Until then both run: two scrapers, two KV-event subscriptions per pod,
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from epp import defaults
 from epp.config import InvalidConfig, SchedulingConfig
 from epp.datastore import Datastore, MembershipListener
 from epp.director import Director
@@ -86,14 +87,14 @@ def _drop_listeners(datastore: Datastore, built: BuiltConfig) -> None:
 
 
 async def _logged(name: str, run: Callable[[], Awaitable[None]]) -> None:
-    """Run a plugin's background task; if it dies, say so (it is not restarted:
-    a task that wants to survive errors handles them itself)."""
+    """Run a service; if it dies, say so (it is not restarted: a service that
+    wants to survive errors handles them itself)."""
     try:
         await run()
     except asyncio.CancelledError:
         raise
     except Exception:
-        log.exception("background task %s stopped with an error", name)
+        log.exception("service %s stopped with an error", name)
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
@@ -114,7 +115,7 @@ class ConfigRuntime:
         datastore: Datastore,
         telemetry: Telemetry,
         current: BuiltConfig,
-        drain_timeout_s: float = 600.0,
+        drain_timeout_s: float = defaults.CONFIG_DRAIN_TIMEOUT.seconds,
     ) -> None:
         self.director = director
         self.datastore = datastore
@@ -129,8 +130,8 @@ class ConfigRuntime:
         self._start_tasks(self.current)
 
     def _start_tasks(self, built: BuiltConfig) -> None:
-        for name, run in built.config.background.tasks:
-            built.tasks.append(asyncio.create_task(_logged(name, run), name=name))
+        for name, service in built.config.services.items():
+            built.tasks.append(asyncio.create_task(_logged(name, service.run), name=name))
 
     def discard(self, built: BuiltConfig) -> None:
         """Drop a config that was built but will not run (its listeners go)."""
@@ -202,7 +203,7 @@ class ConfigReloader:
         build: Callable[[str], BuiltConfig],
         runtime: ConfigRuntime,
         telemetry: Telemetry,
-        poll_interval_s: float = 1.0,
+        poll_interval_s: float = defaults.CONFIG_RELOAD_INTERVAL.seconds,
     ) -> None:
         """`build(text)` validates and builds a config, raising `InvalidConfig`."""
         self.path = Path(path)

@@ -6,7 +6,7 @@ Contract: a data extractor: `extract(page, endpoint)` -> `EndpointMetrics`, rais
 per endpoint by its label `engineLabelKey` (default
 `inference.networking.k8s.io/engine-type`; llm-d's `llm-d.ai/engine-type` is read
 too), else `defaultEngine` (vllm). Built in: vllm, sglang, trtllm-serve,
-triton-tensorrt-llm, triton (see epp/sources/metrics.py for their series).
+triton-tensorrt-llm, triton (see epp/sources/metrics/specs.py for their series).
 
 Parameters (GIE's): `engineLabelKey`, `defaultEngine`, `engineConfigs`: a list of
 `{name, queuedRequestsSpec, runningRequestsSpec, kvUsageSpec, loraSpec,

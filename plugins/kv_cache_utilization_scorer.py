@@ -11,7 +11,6 @@ No parameters.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -26,12 +25,12 @@ class KvCacheUtilizationScorer:
     consumes = frozenset({METRICS})
 
     def __init__(self, params: object, context: PluginContext) -> None:
-        pass
+        self.clock = context.clock
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Mapping[Endpoint, float]:
-        now = time.monotonic()
+        now = self.clock()
         return {
             e: 1.0 - e.metrics.kv_cache_usage if e.metrics.known(KV_CACHE_USAGE, now) else NEUTRAL
             for e in endpoints

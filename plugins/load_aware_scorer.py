@@ -16,7 +16,6 @@ metrics are stale or lack the queue length scores 0.25, the middle of that range
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Final
 
@@ -36,12 +35,13 @@ class LoadAwareScorer:
         threshold: Annotated[int, msgspec.Meta(gt=0)] = 128
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.clock = context.clock
         self.threshold = params.threshold
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Mapping[Endpoint, float]:
-        now = time.monotonic()
+        now = self.clock()
         threshold = self.threshold
         scores: dict[Endpoint, float] = {}
         for e in endpoints:

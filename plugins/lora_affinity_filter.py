@@ -18,7 +18,6 @@ metrics or without LoRA state are in neither group.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -34,15 +33,18 @@ class LoraAffinityFilter:
 
     class Parameters(msgspec.Struct, forbid_unknown_fields=True):
         threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.999
+        # This EPP's: seed the draw between the groups (none: afresh at every start).
+        seed: int | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.clock = context.clock
         self.threshold = params.threshold
-        self._rng = random.Random()
+        self._rng = random.Random(params.seed)
 
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Sequence[Endpoint]:
-        now = time.monotonic()
+        now = self.clock()
         adapter = request.target_model
         affinity: list[Endpoint] = []
         available: list[Endpoint] = []

@@ -16,7 +16,6 @@ without LoRA, or an engine without the metric), scores 0.5 (neutral). No paramet
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -42,12 +41,12 @@ class LoraAffinityScorer:
     consumes = frozenset({METRICS})
 
     def __init__(self, params: object, context: PluginContext) -> None:
-        pass
+        self.clock = context.clock
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Mapping[Endpoint, float]:
-        now = time.monotonic()
+        now = self.clock()
         adapter = request.target_model
         return {
             e: lora_tier(e, adapter) if e.metrics.known(LORA, now) else NEUTRAL for e in endpoints

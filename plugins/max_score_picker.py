@@ -19,7 +19,7 @@ class MaxScorePicker:
 
     def __init__(self, params: PickerParameters, context: PluginContext) -> None:
         self.max_endpoints = params.max_num_of_endpoints
-        self._rng = random.Random()
+        self._rng = random.Random(params.seed)
 
     def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
         if len(scored) == 1:

@@ -39,7 +39,6 @@ endpoint's `approxPrefixIndex.blocks`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated
@@ -101,9 +100,7 @@ class PrefixCacheScorer:
         # Building a plugin starts no I/O; listening to the datastore is not I/O
         # (during `epp validate` it is a throwaway datastore).
         context.datastore.add_listener(self._membership)
-        context.background.describe_endpoints(
-            lambda e: {"approxPrefixIndex": {"blocks": self.index.blocks_of(e)}}
-        )
+        self.clock = context.clock
         registry = context.metrics
         label = context.name
         shared(registry, "epp_approx_prefix_index_blocks", lambda: _IndexCollector(registry)).add(
@@ -133,6 +130,9 @@ class PrefixCacheScorer:
             ),
         ).labels(label)
 
+    def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
+        return {"approxPrefixIndex": {"blocks": self.index.blocks_of(endpoint)}}
+
     def _membership(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for endpoint in removed:
             self.index.remove(endpoint)
@@ -150,7 +150,7 @@ class PrefixCacheScorer:
         found = cycle.get(self._state)
         if found is not None:
             return found
-        block_size = self.block_size(endpoints, time.monotonic())
+        block_size = self.block_size(endpoints, self.clock())
         max_blocks = self.max_tokens // block_size if self.max_tokens > 0 else self.max_blocks
         if self.max_tokens > 0 and max_blocks == 0:
             max_blocks = 1  # a cap below one block still hashes the first one
@@ -193,7 +193,7 @@ class PrefixCacheScorer:
         if blocks is None or blocks.total == 0:
             return
         capacity = self.capacity
-        if self.auto_tune and chosen.metrics.known(CACHE_INFO):
+        if self.auto_tune and chosen.metrics.known(CACHE_INFO, self.clock()):
             capacity = chosen.metrics.num_gpu_blocks
         before = self.index.evictions
         self.index.add(chosen, blocks.all(), capacity)

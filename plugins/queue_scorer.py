@@ -13,7 +13,6 @@ left out of qmin/qmax so it cannot distort the others' scale. No parameters.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 from epp.datastore import WAITING, Endpoint
@@ -25,11 +24,11 @@ class QueueScorer:
     consumes = frozenset({METRICS})
 
     def __init__(self, params: object, context: PluginContext) -> None:
-        pass
+        self.clock = context.clock
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Mapping[Endpoint, float]:
-        now = time.monotonic()
+        now = self.clock()
         queues = {e: e.metrics.waiting_requests for e in endpoints if e.metrics.known(WAITING, now)}
         return fewer_is_better(endpoints, queues)

@@ -12,7 +12,6 @@ and is left out of rmin/rmax. No parameters.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 from epp.datastore import RUNNING, Endpoint
@@ -24,12 +23,12 @@ class RunningRequestsSizeScorer:
     consumes = frozenset({METRICS})
 
     def __init__(self, params: object, context: PluginContext) -> None:
-        pass
+        self.clock = context.clock
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Mapping[Endpoint, float]:
-        now = time.monotonic()
+        now = self.clock()
         running = {
             e: e.metrics.running_requests for e in endpoints if e.metrics.known(RUNNING, now)
         }

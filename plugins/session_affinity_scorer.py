@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -74,6 +73,7 @@ class SessionAffinityScorer:
         session_id_config: SessionIdConfig = msgspec.field(default_factory=SessionIdConfig)
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.clock = context.clock
         self.strategy = params.strategy
         self.profile_name = params.profile_name
         self.token_header = params.encoded_endpoint_header_config.header.lower()
@@ -155,7 +155,7 @@ class SessionAffinityScorer:
         if session is None:
             return None
         binding = self._bindings.get(session)
-        if binding is None or binding[1] < time.monotonic():
+        if binding is None or binding[1] < self.clock():
             return None
         return binding[0]
 
@@ -178,7 +178,7 @@ class SessionAffinityScorer:
         profile = result.profiles.get(self.profile_name or result.primary_profile)
         if profile is None or not profile.targets:
             return
-        now = time.monotonic()
+        now = self.clock()
         self._bindings[session] = (profile.targets[0].name, now + self.ttl_s)
         self._bindings.move_to_end(session)
         # Least recently used first: expired bindings and those over the bound are

@@ -16,7 +16,6 @@ Parameters:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import msgspec
@@ -35,6 +34,7 @@ class StaleMetricsFilter:
         fail_open: bool = True
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.clock = context.clock
         self.threshold_s = (
             parse_duration(params.metrics_staleness_threshold)
             if params.metrics_staleness_threshold
@@ -51,7 +51,7 @@ class StaleMetricsFilter:
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Sequence[Endpoint]:
-        now = time.monotonic()
+        now = self.clock()
         kept = [e for e in endpoints if e.ready and self.fresh(e, now)]
         if not kept and self.fail_open:
             return endpoints

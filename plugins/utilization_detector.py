@@ -22,7 +22,6 @@ left out of the max; an endpoint with neither counts as 1.0.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -44,6 +43,7 @@ class UtilizationDetector:
         headroom: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.clock = context.clock
         self.queue_threshold = params.queue_depth_threshold
         self.kv_threshold = params.kv_cache_util_threshold
         self.staleness_s = parse_duration(params.metrics_staleness_threshold)
@@ -66,13 +66,13 @@ class UtilizationDetector:
     def saturation(self, endpoints: Sequence[Endpoint]) -> float:
         if not endpoints:
             return 1.0
-        now = time.monotonic()
+        now = self.clock()
         return sum(self.load(e, now) for e in endpoints) / len(endpoints)
 
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Sequence[Endpoint]:
-        now = time.monotonic()
+        now = self.clock()
         queue_limit = self.queue_threshold * (1.0 + self.headroom)
         kv_limit = self.kv_threshold * (1.0 + self.headroom)
         kept = []

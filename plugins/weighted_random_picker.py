@@ -20,7 +20,7 @@ class WeightedRandomPicker:
 
     def __init__(self, params: PickerParameters, context: PluginContext) -> None:
         self.max_endpoints = params.max_num_of_endpoints
-        self._rng = random.Random()
+        self._rng = random.Random(params.seed)
 
     def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
         rng = self._rng

@@ -8,7 +8,8 @@ Ports, for `--n N --base-port P` (defaults, each base can be moved):
 
 So by default the fleet uses the 3N ports P .. P + 3N - 1. Once every pod answers
 `/health`, the fleet writes the endpoints file the EPP reads (`--endpoints-file`,
-DESIGN §3.1: `name`, `address`, `kvEvents`, `kvEventsReplay`), atomically, then runs
+with `name`, `address`, `kvEvents`, `kvEventsReplay`: docs/architecture.md,
+"Processes, ports, the endpoints file"), atomically, then runs
 until SIGINT/SIGTERM and stops every pod (SIGTERM, then SIGKILL after a grace
 period). If a pod dies, the fleet stops the others and exits non-zero.
 """

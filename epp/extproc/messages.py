@@ -1,4 +1,5 @@
-"""Reading and writing Envoy ext_proc messages (the protocol of DESIGN §3.2)."""
+"""Reading and writing Envoy ext_proc messages (the protocol: docs/architecture.md,
+"The ext_proc protocol")."""
 
 from __future__ import annotations
 

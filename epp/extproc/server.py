@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from epp import defaults
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from epp.completion import CompletionTracker
@@ -35,7 +36,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         settings: StreamSettings,
         telemetry: Telemetry,
         tracker: CompletionTracker,
-        max_streams: int = 0,
+        max_streams: int = defaults.MAX_CONCURRENT_STREAMS,
     ) -> None:
         """`max_streams`: streams served at once (0: no limit); see `Process`."""
         self.director = director

@@ -383,7 +383,7 @@ class RequestStream:
                 completed=completed,
                 status=self.status,
                 usage=usage,
-                duration_s=time.monotonic() - decision.picked_at,
+                duration_s=self.director.clock() - decision.picked_at,
             ),
         )
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from epp.kvindex.events import BlockStored
 from epp.kvindex.hashing import (
     DEFAULT_HASH_SEED,
     EXTRA_KEYS_FORMATS,
@@ -36,9 +37,8 @@ from epp.kvindex.hashing import (
     ExtraKeysFormat,
     HashContext,
     key_of,
-    token_bytes,
 )
-from epp.sources.kv_wire import BlockStored
+from epp.tokenization.tokens import token_bytes
 
 # Blocks hashed again per checked event, at most (the first ones of the event).
 WARMUP_MAX_BLOCKS: Final = 16

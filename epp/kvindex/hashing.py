@@ -1,7 +1,8 @@
 """vLLM's prefix-cache block hashes, computed for the prompts the EPP routes.
 
 The index is keyed by the engine's own block hash (the uint64 on the wire), so a
-prompt is looked up by computing the hashes vLLM will compute for it (DESIGN §4):
+prompt is looked up by computing the hashes vLLM will compute for it
+(docs/architecture.md, "vLLM's KV events"):
 
     h_0 = H((NONE_HASH, tuple(tokens[0:B]),   extra_keys_0 or None))
     h_i = H((h_{i-1},   tuple(tokens[iB:(i+1)B]), extra_keys_i or None))
@@ -39,7 +40,6 @@ blocks: a repeated prefix costs a dictionary lookup per block.
 
 from __future__ import annotations
 
-import array
 import hashlib
 import itertools
 import pickle
@@ -50,6 +50,8 @@ from typing import Final, Literal, get_args
 
 import cbor2
 
+from epp.tokenization.tokens import TOKEN_BYTES, TOKEN_TYPECODE, token_bytes
+
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 HASH_ALGOS: Final[tuple[HashAlgo, ...]] = get_args(HashAlgo)
 ExtraKeysFormat = Literal["tagged", "plain"]
@@ -59,25 +61,7 @@ EXTRA_KEYS_FORMATS: Final[tuple[ExtraKeysFormat, ...]] = get_args(ExtraKeysForma
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
 MASK64: Final = (1 << 64) - 1
 
-# Token ids travel as native uint32 arrays (`token_bytes`): cheap to slice, compare
-# and use as dictionary keys, and a whole block compares with one memcmp.
-_TOKEN_TYPECODE: Final = "I"
-TOKEN_BYTES: Final = 4
-# C's unsigned int is 4 bytes on every platform CPython supports that we run on.
-assert array.array(_TOKEN_TYPECODE).itemsize == TOKEN_BYTES
-
 ExtraKeys = tuple[object, ...] | None
-
-
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as the uint32 array bytes the hashing and the index work on.
-    Raises OverflowError for ids outside 0 .. 2**32 - 1."""
-    return array.array(_TOKEN_TYPECODE, token_ids).tobytes()
-
-
-def token_ids(data: bytes) -> list[int]:
-    """The inverse of `token_bytes`."""
-    return array.array(_TOKEN_TYPECODE, data).tolist()
 
 
 def _sha256_pickle(obj: object) -> bytes:
@@ -188,7 +172,7 @@ class EngineHasher:
         self.block_bytes = block_size * TOKEN_BYTES
         self._digest = digest_function(algo)
         self.none_hash = self._digest(seed)
-        self._unpack = struct.Struct(f"={block_size}{_TOKEN_TYPECODE}").unpack
+        self._unpack = struct.Struct(f"={block_size}{TOKEN_TYPECODE}").unpack
         self._memo: dict[_MemoKey, tuple[bytes, int]] = {}
         self._memo_max = max(16, memo_blocks)
         # key -> digest of blocks hashed here, so that the alignment check can

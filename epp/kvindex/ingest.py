@@ -31,11 +31,11 @@ from typing import Any
 
 from epp.datastore import Endpoint
 from epp.kvindex.alignment import AlignmentChecker, AlignmentState
+from epp.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from epp.kvindex.hashing import EngineHasher
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.speculative import SpeculativeIndex
 from epp.logs import LogOnce
-from epp.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 log = logging.getLogger(__name__)
 

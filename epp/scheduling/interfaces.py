@@ -16,7 +16,9 @@ Rules every plugin follows:
   sources write the datastore, and only the director counts in-flight requests.
 - `filter`, `score`, `pick`, `pre_request` and `post_response` run on the event loop
   of every request: they must be quick and must not block. Slow work (tokenizing,
-  I/O) goes in `DataProducer.prepare`, which is async, or in background tasks.
+  I/O) goes in `DataProducer.prepare`, which is async, or in a `Service`.
+- Time is read from `PluginContext.clock` and randomness comes from a seed, so the
+  same plugin decides the same way on the wall clock and in a simulation.
 - `/debug/explain` runs admission, data producers, filters, scorers and pickers
   exactly as a real pick does, but never `pre_request` or `post_response`. So
   anything a pick must change (a speculative index entry, a session table) belongs
@@ -36,13 +38,16 @@ profiles (filters -> scorers -> picker) -> in-flight count and `PreRequest` ->
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Protocol, runtime_checkable
 
 import msgspec
 from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
 
+from epp import defaults
+from epp.clock import SYSTEM_CLOCK, Clock
 from epp.datastore import Datastore, Endpoint
 from epp.requests import InferenceRequest
 from epp.scheduling.types import (
@@ -68,29 +73,54 @@ class PickerParameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel
     # How many endpoints to return: the primary, then fallbacks for the proxy to
     # retry on. (Plain Envoy's ORIGINAL_DST cluster reads one address: keep 1 there.)
     max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # This EPP's: seed the picker's random choices (tie-breaks, draws), so that a
+    # run can be repeated exactly (the routing lab, a test); none: seeded afresh at
+    # every start.
+    seed: int | None = None
 
 
-EndpointInfo = Callable[[Endpoint], Mapping[str, Any]]
-"""Extra facts about an endpoint for /debug/endpoints (e.g. its prefix-index state)."""
+@runtime_checkable
+class Service(Protocol):
+    """A subsystem with one owner (the precise prefix index with its KV-event feed,
+    the metrics scraper): plugins read it, never build it.
+
+    A plugin class that needs one names its factory in a class attribute `Service`,
+    a callable `(parameters, ServiceContext) -> Service`; the config's build step
+    calls it with the plugin's decoded parameters and hands the result to the
+    plugin as `PluginContext.service`. Building starts nothing (`epp validate`
+    builds too): the server runs `run()` once the whole config is built, and cancels
+    it when the config stops. Tests and simulations build a service directly and
+    drive it without a server."""
+
+    async def run(self) -> None:
+        """Do the service's work beside the request path, until cancelled."""
+
+    def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, Any]:
+        """What the service knows of `endpoint`, for /debug/endpoints."""
+
+    def collector(self) -> Collector | None:
+        """The service's Prometheus metrics (registered with its config's)."""
 
 
-@dataclass
-class Background:
-    """What plugins set up at build time to run beside the request path: sources
-    that feed them (a KV-event subscriber, say) and per-endpoint debug facts.
+@dataclass(frozen=True, slots=True)
+class ServiceContext:
+    """What a service factory receives."""
 
-    Building a plugin never starts I/O (`epp validate` builds plugins too): a plugin
-    registers its long-running coroutine here, and the server starts it once the
-    whole configuration is valid and stops it at shutdown."""
+    name: str  # the name of the plugin that declared it
+    datastore: Datastore  # services that are sources write it; the others read it
+    settings: ServerSettings
+    clock: Clock = SYSTEM_CLOCK
 
-    tasks: list[tuple[str, Callable[[], Awaitable[None]]]] = field(default_factory=list)
-    endpoint_info: list[EndpointInfo] = field(default_factory=list)
 
-    def run(self, name: str, task: Callable[[], Awaitable[None]]) -> None:
-        self.tasks.append((name, task))
+ServiceFactory = Callable[[Any, ServiceContext], Service]
 
-    def describe_endpoints(self, provider: EndpointInfo) -> None:
-        self.endpoint_info.append(provider)
+
+@runtime_checkable
+class DescribesEndpoints(Protocol):
+    """A plugin with per-endpoint state worth showing in /debug/endpoints (its
+    approximate prefix index, say)."""
+
+    def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +128,11 @@ class ServerSettings:
     """Server-wide settings from the command line that plugins may need (GIE's flags)."""
 
     # --refresh-metrics-interval: how often each endpoint's /metrics is scraped.
-    refresh_metrics_interval_s: float = 0.05
+    refresh_metrics_interval_s: float = defaults.REFRESH_METRICS_INTERVAL.seconds
     # --metrics-staleness-threshold: metrics older than this are not trusted.
-    metrics_staleness_threshold_s: float = 2.0
+    metrics_staleness_threshold_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds
     # --metrics-scrape-timeout: a scrape without an answer by then has failed.
-    metrics_scrape_timeout_s: float = 1.0
+    metrics_scrape_timeout_s: float = defaults.METRICS_SCRAPE_TIMEOUT.seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +144,19 @@ class PluginContext:
     datastore: Datastore  # read-only for plugins
     metrics: CollectorRegistry  # register the plugin's own Prometheus metrics here
     plugins: Mapping[str, object]  # plugins built before this one, by name
-    background: Background = field(default_factory=Background)
     settings: ServerSettings = field(default_factory=ServerSettings)
+    # The time every decision is made at: read it here, never from the time module.
+    clock: Clock = SYSTEM_CLOCK
+    # The service the plugin class declared (its `Service` attribute), built from
+    # the same parameters; None for plugins that declare none.
+    service: Service | None = None
 
 
 @runtime_checkable
 class DataSource(Protocol):
     """GIE's data layer: a plugin that keeps endpoint state fresh from outside the
     request path (the metrics scraper), named in the config's
-    `dataLayer.sources[].pluginRef`. It runs through `PluginContext.background`.
+    `dataLayer.sources[].pluginRef`. Its work runs in the `Service` it declares.
 
     `add_extractor` is called at build time with each plugin named in that source's
     `extractors` (without a `dataLayer` section: with every extractor of the config);

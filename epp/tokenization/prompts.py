@@ -24,7 +24,6 @@ from typing import Any, Final
 
 import msgspec
 
-from epp.kvindex.hashing import token_bytes
 from epp.requests import (
     ChatPrompt,
     CompletionPrompt,
@@ -35,6 +34,7 @@ from epp.requests import (
 )
 from epp.tokenization.chat_template import ChatTemplateError, ContentFormat
 from epp.tokenization.tokenizer import PromptTokenizer
+from epp.tokenization.tokens import token_bytes
 
 TEXT_PART_TYPES: Final = frozenset({"text", "input_text", "output_text"})
 

@@ -40,8 +40,8 @@ from typing import Any, Final
 
 from tokenizers import Tokenizer
 
-from epp.kvindex.hashing import token_bytes
 from epp.tokenization.chat_template import ChatTemplate, special_tokens
+from epp.tokenization.tokens import token_bytes
 
 log = logging.getLogger(__name__)
 

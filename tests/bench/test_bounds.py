@@ -28,7 +28,7 @@ def test_the_last_prompt_token_is_never_a_hit() -> None:
 
 
 def test_disjoint_requests_hit_nothing() -> None:
-    requests = [(seq(1000 * i, 8 * B), []) for i in range(10)]
+    requests: list[tuple[list[int], list[int]]] = [(seq(1000 * i, 8 * B), []) for i in range(10)]
     bounds = compute_bounds(requests, B, pods=3)
     assert (bounds.h_star, bounds.h_random, bounds.h_round_robin) == (0.0, 0.0, 0.0)
 
@@ -71,7 +71,7 @@ def test_shared_prefix_matches_the_closed_forms() -> None:
     # h* = (P-1) S / (P (S+Q)) and h_random = (P - E[D]) S / (P (S+Q)) with
     # E[D] = N (1 - (1 - 1/N)^P) the expected number of pods a group lands on.
     groups, per_group, system, question, pods = 5, 12, 8 * B, 3 * B, 4
-    requests = []
+    requests: list[tuple[list[int], list[int]]] = []
     for p in range(per_group):
         for g in range(groups):
             requests.append(

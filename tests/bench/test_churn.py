@@ -4,12 +4,13 @@ timed by real picks; and its summary arithmetic."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from bench.__main__ import main
-from bench.churn import Change, ChurnOptions, percentile, run_churn, summarize
+from bench.churn import Change, ChurnOptions, run_churn, summarize
 
 
 def test_a_small_churn_is_measured_and_ends_consistent(tmp_path: Path) -> None:
@@ -52,12 +53,16 @@ def test_summary_bounds() -> None:
     ]
     summary = summarize(changes)
     assert summary["ready"]["changes"] == 2
-    assert summary["ready"]["p99_ms"] == pytest.approx(10.0)
-    assert summary["ready"]["floor_p99_ms"] == pytest.approx(6.0)
-    assert summary["ready"]["floor_p50_ms"] == pytest.approx(0.0)
+    # Percentiles interpolate between the two changes (bench.stats): latencies 4
+    # and 10 ms, floors 0 and 6 ms.
+    assert summary["ready"]["p99_ms"] == pytest.approx(4.0 + 6.0 * 0.99)
+    assert summary["ready"]["max_ms"] == pytest.approx(10.0)
+    assert summary["ready"]["floor_p99_ms"] == pytest.approx(6.0 * 0.99)
+    assert summary["ready"]["floor_p50_ms"] == pytest.approx(3.0)
     assert summary["deleted"]["missed"] == 1
-    assert percentile([], 0.5) != percentile([], 0.5)  # NaN
-    assert percentile([1.0, 2.0, 3.0], 0.5) == 2.0
+    # Nothing seen: no percentile, NaN in churn.json.
+    assert math.isnan(summary["deleted"]["p50_ms"])
+    assert math.isnan(summary["unready"]["max_ms"])
 
 
 def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

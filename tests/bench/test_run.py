@@ -14,7 +14,7 @@ from bench.client import Record, RunTiming
 from bench.peers import PEER_VENV, peer_venv_ready
 from bench.runner import PodCounters, parse_counters, summarize
 
-DESIGN_KEYS = {
+RESULT_KEYS = {
     "hit_rate",
     "ttft_p50_s",
     "ttft_p90_s",
@@ -42,7 +42,7 @@ def test_round_robin_through_envoy_and_the_epp(tmp_path: Path) -> None:
     code, results = run(tmp_path, "--policy", "round-robin")
     assert code == 0
     result = results["policies"]["round-robin"]
-    assert set(result) >= DESIGN_KEYS
+    assert set(result) >= RESULT_KEYS
     assert set(results["oracle"]) >= {"h_star", "h_random"}
     assert (result["requests"], result["errors"], result["status"]) == (12, 0, "ok")
     assert result["load_per_pod"] == {"sim-0": 6, "sim-1": 6}
@@ -86,14 +86,24 @@ def test_hit_rate_comes_from_the_counters_not_from_the_answers() -> None:
 
 
 def test_prometheus_counters_are_parsed() -> None:
-    text = (
-        "# HELP vllm:prefix_cache_hits_total Prompt tokens found.\n"
-        "# TYPE vllm:prefix_cache_hits_total counter\n"
-        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1234.0\n'
-        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2000.0\n'
-        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+    page = (
+        b"# HELP vllm:prefix_cache_hits_total Prompt tokens found.\n"
+        b"# TYPE vllm:prefix_cache_hits_total counter\n"
+        b'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1234.0\n'
+        # A second data-parallel engine: its count adds to the pod's.
+        b'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 6.0\n'
+        b'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n'
+        b"# TYPE vllm:prefix_cache_queries_total counter\n"
+        b'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2000.0\n'
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
     )
-    assert parse_counters(text) == {"hits": 1234.0, "queries": 2000.0}
+    assert parse_counters(page) == {"hits": 1240.0, "queries": 2000.0}
+
+
+def test_an_unreadable_counter_is_an_error_not_a_zero() -> None:
+    page = b'vllm:prefix_cache_hits_total{engine="0"} many\n'
+    with pytest.raises(ValueError, match="not a number"):
+        parse_counters(page)
 
 
 def test_an_unknown_policy_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import main
-from bench.longrun import PrefixSpace, parse_samples, quantile
+from bench.longrun import PrefixSpace, histogram, quantile, total
 from bench.soak import SoakOptions, run_soak
 
 
@@ -65,19 +65,31 @@ def test_histogram_quantile_between_two_readings() -> None:
     assert quantile(1.0, {0.1: 0.0, math.inf: 5.0}) == 0.1
 
 
-def test_parse_samples_reads_labels_and_values() -> None:
-    text = (
-        "# HELP x_total a counter\n"
-        'x_total{endpoint="a",result="requested"} 3.0\n'
-        'x_total{endpoint="b",result="failed"} 1.0\n'
-        "y 2.5e-3\n"
+def test_metrics_readers_sum_series_and_histograms() -> None:
+    page = (
+        b"# HELP x_total a counter\n"
+        b"# TYPE x_total counter\n"
+        b'x_total{endpoint="a",result="requested"} 3.0\n'
+        b'x_total{endpoint="b",result="failed"} 1.0\n'
+        b'x_created{endpoint="a",result="requested"} 1.7e9\n'
+        b"# TYPE y gauge\n"
+        b"y 2.5e-3\n"
+        b"# TYPE h histogram\n"
+        b'h_bucket{le="0.01",profile="a"} 1.0\n'
+        b'h_bucket{le="+Inf",profile="a"} 2.0\n'
+        b'h_count{profile="a"} 2.0\n'
+        b'h_bucket{le="0.01",profile="b"} 3.0\n'
+        b'h_bucket{le="+Inf",profile="b"} 5.0\n'
     )
-    samples = parse_samples(text)
-    assert samples["x_total"] == [
-        ({"endpoint": "a", "result": "requested"}, 3.0),
-        ({"endpoint": "b", "result": "failed"}, 1.0),
-    ]
-    assert samples["y"] == [({}, 0.0025)]
+    assert total(page, "x_total") == 4.0
+    assert total(page, "x_total", result="failed") == 1.0
+    assert total(page, "x_total", result="other") == 0.0
+    assert total(page, "y") == 0.0025
+    assert total(page, "absent_total") == 0.0
+    # Buckets summed over the other labels, in bound order.
+    assert histogram(page, "h") == {0.01: 4.0, math.inf: 7.0}
+    with pytest.raises(ValueError, match="not a number"):
+        total(b"z NaNa\n", "z")
 
 
 def test_the_prefix_space_is_skewed_and_reproducible() -> None:

@@ -7,13 +7,15 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from epp.app import EppApp, ServeOptions, StartupError
 from epp.config import load_config
@@ -218,20 +220,20 @@ def test_a_taken_grpc_port_is_a_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
-class BackgroundScorer:
-    """A scorer that, like a KV-event source, registers work to run beside the
-    request path and facts for /debug/endpoints."""
+class Ticker:
+    """A service, like the precise prefix service with its KV-event feed: built by
+    the framework from its plugin's parameters, run by the server, read by the
+    plugin, with facts for /debug/endpoints and metrics of its own."""
 
     runs: ClassVar[list[str]] = []
 
-    def __init__(self, params: object, context: PluginContext) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.ticks = 0
         self.ticked_three_times = asyncio.Event()
-        context.background.run("ticker", self.tick)
-        context.background.describe_endpoints(lambda e: {"ticks": self.ticks, "seen": e.name})
 
-    async def tick(self) -> None:
-        BackgroundScorer.runs.append("started")
+    async def run(self) -> None:
+        Ticker.runs.append("started")
         try:
             while True:
                 self.ticks += 1
@@ -239,19 +241,41 @@ class BackgroundScorer:
                     self.ticked_three_times.set()
                 await asyncio.sleep(0.01)
         finally:
-            BackgroundScorer.runs.append("stopped")
+            Ticker.runs.append("stopped")
+
+    def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, Any]:
+        return {"ticks": self.ticks, "seen": endpoint.name}
+
+    def collector(self) -> Collector:
+        ticker = self
+
+        class Ticks(Collector):
+            def collect(self) -> Iterator[Metric]:
+                yield GaugeMetricFamily("test_ticks", "Ticks so far.", value=ticker.ticks)
+
+        return Ticks()
+
+
+class TickingScorer:
+    """A scorer that reads the service it declares."""
+
+    Service = staticmethod(lambda params, context: Ticker(context.name))
+
+    def __init__(self, params: object, context: PluginContext) -> None:
+        assert isinstance(context.service, Ticker)
+        self.ticker = context.service
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Mapping[Endpoint, float]:
-        return dict.fromkeys(endpoints, 0.5)
+        return dict.fromkeys(endpoints, min(1.0, self.ticker.ticks / 100))
 
 
-BACKGROUND_CONFIG = f"""\
+SERVICE_CONFIG = f"""\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
-- type: {__name__}:BackgroundScorer
+- type: {__name__}:TickingScorer
   name: ticker
 schedulingProfiles:
 - name: default
@@ -260,19 +284,23 @@ schedulingProfiles:
 """
 
 
-async def test_plugin_background_work_runs_with_the_server(start_epp: StartEpp) -> None:
-    BackgroundScorer.runs.clear()
-    epp = await start_epp(config_text=BACKGROUND_CONFIG)
-    await asyncio.wait_for(epp.plugin("ticker").ticked_three_times.wait(), 5)
-    assert BackgroundScorer.runs == ["started"]
+async def test_a_plugins_service_runs_with_the_server(start_epp: StartEpp) -> None:
+    Ticker.runs.clear()
+    epp = await start_epp(config_text=SERVICE_CONFIG)
+    ticker = epp.plugin("ticker").ticker
+    await asyncio.wait_for(ticker.ticked_three_times.wait(), 5)
+    assert Ticker.runs == ["started"]
     entries = await epp.debug_endpoints()
     assert all(e["ticks"] >= 3 and e["seen"] == e["name"] for e in entries)
+    async with epp.http.get(f"{epp.admin_url}/metrics") as response:
+        assert "test_ticks " in await response.text()
     await epp.aclose()
-    assert BackgroundScorer.runs == ["started", "stopped"]
+    assert Ticker.runs == ["started", "stopped"]
 
 
-def test_validating_a_config_starts_no_background_work() -> None:
-    BackgroundScorer.runs.clear()
-    config = load_config(BACKGROUND_CONFIG, PluginRegistry.from_entry_points())
-    assert [name for name, _ in config.background.tasks] == ["ticker"]
-    assert BackgroundScorer.runs == []
+def test_validating_a_config_starts_no_service() -> None:
+    Ticker.runs.clear()
+    config = load_config(SERVICE_CONFIG, PluginRegistry.from_entry_points())
+    assert list(config.services) == ["ticker"]
+    assert config.plugins["ticker"].ticker is config.services["ticker"]
+    assert Ticker.runs == []

@@ -108,3 +108,16 @@ def test_no_cluster_credentials_is_a_clear_start_up_error(tmp_path: Path) -> Non
     assert "not running in a cluster (KUBERNETES_SERVICE_HOST is unset)" in done.stderr
     assert "give --kubeconfig FILE or set KUBECONFIG" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_flag_defaults_are_the_serve_options_defaults() -> None:
+    # One default per setting (epp/defaults.py): what `epp serve` runs without a
+    # flag is what ServeOptions holds when built without the command line.
+    assert options("--endpoints-file", "e.yaml") == ServeOptions(endpoints_file="e.yaml")
+
+
+def test_kubernetes_flag_defaults_are_the_kube_options_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NAMESPACE", raising=False)
+    assert options("--pool-name", "p").kube == KubeOptions(pool_name="p")

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from epp.clock import VirtualClock
 from epp.completion import (
     DEFAULT_MAX_WAITING,
     DEFAULT_TIMEOUT_S,
@@ -22,14 +23,6 @@ from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo
 from epp.telemetry import Telemetry
 from tests.epp.extproc.sample_plugins import MODULE, Recorder, config
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Lean:
@@ -52,8 +45,8 @@ class Lean:
             datastore=self.datastore,
             metrics=self.telemetry.registry,
         )
-        self.director = Director(self.datastore, scheduling, self.telemetry)
-        self.clock = Clock()
+        self.clock = VirtualClock(1000.0)
+        self.director = Director(self.datastore, scheduling, self.telemetry, clock=self.clock)
         self.tracker = CompletionTracker(
             self.director,
             self.telemetry,
@@ -156,12 +149,12 @@ async def test_a_request_ended_elsewhere_is_dropped_not_ended_twice() -> None:
 async def test_an_overdue_request_is_ended_as_aborted() -> None:
     lean = Lean(timeout_s=600.0)
     await lean.route("old")
-    lean.clock.now += 300
+    lean.clock.advance(300)
     await lean.route("young")
-    lean.clock.now += 299
+    lean.clock.advance(299)
     assert lean.tracker.expire() == 0
     assert lean.in_flight() == 2
-    lean.clock.now += 1
+    lean.clock.advance(1)
     assert lean.tracker.expire() == 1
     (info,) = lean.ended("old")
     assert not info.completed
@@ -170,7 +163,7 @@ async def test_an_overdue_request_is_ended_as_aborted() -> None:
     assert lean.ends("timeout") == 1
     # Its entry, coming late, finds nothing.
     assert not lean.tracker.complete("old", status=200, completed=True, duration_s=None)
-    lean.clock.now += 300
+    lean.clock.advance(300)
     assert lean.tracker.expire() == 1
     assert lean.in_flight() == 0
     assert len(lean.tracker) == 0
@@ -218,12 +211,12 @@ async def test_the_missing_access_log_is_reported_once_after_a_grace_period(
     caplog.set_level(logging.WARNING, logger="epp.completion")
     for request_id in ("r1", "r2"):
         lean.tracker.stream_ended(request_id, await lean.route(request_id), status=None)
-    lean.clock.now += 59
+    lean.clock.advance(59)
     lean.tracker.expire()
     assert not caplog.records
-    lean.clock.now += 1
+    lean.clock.advance(1)
     lean.tracker.expire()
-    lean.clock.now += 100
+    lean.clock.advance(100)
     lean.tracker.expire()
     (record,) = caplog.records
     assert "access log" in record.getMessage()
@@ -238,7 +231,7 @@ async def test_an_access_log_that_connects_late_silences_the_warning(
     caplog.set_level(logging.WARNING, logger="epp.completion")
     lean.tracker.stream_ended("r1", await lean.route("r1"), status=None)
     lean.tracker.connected()
-    lean.clock.now += 120
+    lean.clock.advance(120)
     lean.tracker.expire()
     assert not caplog.records
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from epp import cli
 from epp.config import (
@@ -18,10 +19,14 @@ from epp.config import (
     ConfigError,
     InvalidConfig,
     SchedulingConfig,
+    defaults,
     format_path,
     load_config,
     load_config_file,
+    parse,
 )
+from epp.config.build import BuildResources, build, no_observe
+from epp.config.errors import Rejected
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.requests import Api, InferenceRequest
 from epp.scheduling import (
@@ -30,6 +35,7 @@ from epp.scheduling import (
     ResponseInfo,
     SchedulingResult,
 )
+from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry, UnknownPluginType
 from plugins.max_score_picker import MaxScorePicker
 from plugins.round_robin_picker import RoundRobinPicker
@@ -1110,3 +1116,72 @@ def test_dangling_reference_is_reported_with_plugin_errors(registry: PluginRegis
     assert None not in lines
     assert lines == sorted(lines)
     assert lines[0] != lines[1]
+
+
+# ---------------------------------------------------------------------------
+# The three steps: parse, defaults, build
+
+
+def test_each_step_hands_the_next_a_plain_document(registry: PluginRegistry) -> None:
+    text = HEADER + textwrap.dedent(
+        f"""\
+        plugins:
+        - {{type: {SCORER}, name: s}}
+        - {{type: {FILTER}, name: f}}
+        inferenceObjectives: [{{name: chat}}]
+        schedulingProfiles:
+        - name: p
+          plugins: [{{pluginRef: f}}, {{pluginRef: s}}]
+        """
+    )
+    validated = parse.validate(parse.read_yaml(text, "<test>").data, registry)
+    # What the file says, and nothing more.
+    assert [d.name for d in validated.plugins] == ["s", "f"]
+    (profile,) = validated.profiles
+    assert (profile.filters, profile.picker) == (("f",), None)
+    assert [(s.name, s.weight) for s in profile.scorers] == [("s", None)]
+    assert validated.objectives == {"chat": None}
+
+    completed = defaults.complete(validated, registry)
+    # Every default filled in.
+    assert [d.name for d in completed.defaults] == [
+        defaults.DEFAULT_PICKER,
+        defaults.DEFAULT_PROFILE_HANDLER,
+    ]
+    (full,) = completed.profiles
+    assert full.scorers == (("s", defaults.DEFAULT_WEIGHT),)
+    assert full.picker == defaults.DEFAULT_PICKER
+    assert completed.profile_handler == defaults.DEFAULT_PROFILE_HANDLER
+    assert completed.objectives == {"chat": defaults.DEFAULT_PRIORITY}
+    assert completed.saturation_detector is None
+    assert completed.if_metrics_read is not None  # no source: one if a plugin reads metrics
+
+    resources = BuildResources(Datastore(), CollectorRegistry(), no_observe, ServerSettings())
+    config = build(completed, resources)
+    # MyScorer reads no metrics: the default source is not built.
+    assert list(config.plugins) == ["s", "f", "max-score-picker", "single-profile-handler"]
+    assert config.scheduler.profiles["p"].picker.name == "max-score-picker"
+
+
+def test_parse_builds_no_plugin(registry: PluginRegistry) -> None:
+    Counted.built = 0
+    text = HEADER + f"plugins:\n- type: {__name__}:Counted\nschedulingProfiles:\n- name: p\n"
+    validated = parse.validate(parse.read_yaml(text, "<test>").data, registry)
+    defaults.complete(validated, registry)
+    assert Counted.built == 0
+
+
+def test_steps_report_errors_without_lines(registry: PluginRegistry) -> None:
+    with pytest.raises(Rejected) as info:
+        parse.validate({"apiVersion": "v1"}, registry)
+    assert {e.path for e in info.value.errors} >= {("apiVersion",), ("kind",)}
+    assert all(e.line is None for e in info.value.errors)  # load_config adds them
+
+
+def test_server_settings_default_to_the_flags_defaults() -> None:
+    args = cli.build_parser().parse_args(["serve"])
+    assert ServerSettings() == ServerSettings(
+        refresh_metrics_interval_s=args.refresh_metrics_interval,
+        metrics_staleness_threshold_s=args.metrics_staleness_threshold,
+        metrics_scrape_timeout_s=args.metrics_scrape_timeout,
+    )

@@ -80,7 +80,7 @@ def test_a_gie_config_loads_unchanged(registry: PluginRegistry) -> None:
     assert {"my-engine", "vllm"} <= set(extractor.engines)
     assert config.saturation_detector is not None
     assert config.saturation_detector.name == "utilization-detector"
-    assert [name for name, _ in config.background.tasks] == ["metrics-data-source"]
+    assert list(config.services) == ["metrics-data-source"]
     assert config.warnings == ("featureGates: accepted for GIE compatibility but ignored",)
 
 
@@ -107,7 +107,7 @@ def test_metrics_readers_get_the_default_source_with_the_flags(registry: PluginR
         5.0,
         0.5,
     )
-    assert [name for name, _ in config.background.tasks] == ["metrics-data-source"]
+    assert list(config.services) == ["metrics-data-source"]
 
 
 def test_the_default_source_takes_a_declared_extractor(registry: PluginRegistry) -> None:
@@ -147,7 +147,7 @@ def test_nothing_is_scraped_when_no_plugin_reads_metrics(registry: PluginRegistr
         registry,
     )
     assert sources(config) == []
-    assert config.background.tasks == []
+    assert config.services == {}
 
 
 def test_inject_defaults_false_turns_the_default_source_off(registry: PluginRegistry) -> None:
@@ -308,3 +308,40 @@ def test_objective_and_detector_errors(registry: PluginRegistry) -> None:
     assert "saturationDetector.pluginRef: 'queue-scorer' is not a saturation detector" in str(
         errors[0]
     )
+
+
+def test_a_plugin_named_like_the_default_source_is_fine_while_nothing_reads_metrics(
+    registry: PluginRegistry,
+) -> None:
+    # Whether the default source is needed is known only once the plugins are built
+    # (prefix-cache-scorer reads metrics only to auto-tune), and so is whether its
+    # name being taken matters.
+    text = """\
+        plugins:
+        - type: prefix-cache-scorer
+          name: metrics-data-source
+          parameters: {autoTune: %s}
+        schedulingProfiles:
+        - name: default
+          plugins: [{pluginRef: metrics-data-source}]
+        """
+    config = load(text % "false", registry)
+    assert sources(config) == []
+    (error,) = errors_of(text % "true", registry)
+    assert error.path == ("plugins",)
+    assert "the default 'metrics-data-source' is needed" in error.message
+
+
+def test_the_default_detector_refusing_its_parameters_is_an_error(
+    registry: PluginRegistry,
+) -> None:
+    (error,) = errors_of(
+        """\
+        schedulingProfiles: [{name: default}]
+        saturationDetector: {metricsStalenessThreshold: 0s}
+        """,
+        registry,
+    )
+    assert error.path == ("saturationDetector",)
+    assert "metricsStalenessThreshold must be positive" in error.message
+    assert error.line == 4

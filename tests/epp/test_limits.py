@@ -22,7 +22,7 @@ from epp.datastore import Endpoint
 from tests.epp.conftest import Epp, StartEpp
 from tests.epp.extproc import envoy_client as ec
 from tests.epp.extproc.test_stream_errors import assert_error
-from tests.plugins.engine_events import attach, feed, stored_payload
+from tests.plugins.engine_events import feed, stored_payload
 
 BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
 
@@ -157,12 +157,11 @@ async def test_the_precise_scorer_matches_only_the_first_blocks(start_epp: Start
         "parameters": {"blockSize": 4, "hashSeed": "0", "maxPrefixTokensToMatch": 12},
     }
     epp = await start_epp(config_text=one_scorer_config(plugin), endpoints={"pod-a": "10.0.0.1:1"})
-    scorer = epp.plugin("precise")
     (endpoint,) = epp.app.datastore.all_endpoints()
     assert isinstance(endpoint, Endpoint)
     # The engine caches the first 3 blocks (12 tokens) of a 40-token prompt.
     tokens = list(range(100, 140))
-    feed(attach(scorer, endpoint), stored_payload(tokens[:12]))
+    feed(epp.plugin("precise").service, endpoint, stored_payload(tokens[:12]))
 
     explained = await explain(epp, {"model": "m", "prompt": tokens})
     assert scores_of(explained, "precise") == {"pod-a": 1.0}  # 3 of the 3 considered
@@ -183,7 +182,8 @@ async def test_without_a_cap_the_whole_prompt_counts(start_epp: StartEpp) -> Non
     epp = await start_epp(config_text=one_scorer_config(plugin), endpoints={"pod-a": "10.0.0.1:1"})
     (endpoint,) = epp.app.datastore.all_endpoints()
     tokens = list(range(100, 140))
-    feed(attach(epp.plugin("precise"), endpoint), stored_payload(tokens[:12]))
+    assert isinstance(endpoint, Endpoint)
+    feed(epp.plugin("precise").service, endpoint, stored_payload(tokens[:12]))
     explained = await explain(epp, {"model": "m", "prompt": tokens})
     assert scores_of(explained, "precise") == {"pod-a": 0.3}
     assert explained["notes"]["precise"]["truncated"] is False

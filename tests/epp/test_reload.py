@@ -32,27 +32,43 @@ BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
 POD_A, POD_B = ENDPOINTS["pod-a"], ENDPOINTS["pod-b"]
 
 
-class PinnedPicker:
-    """Picks the endpoint named in its parameters, records the requests that end
-    through it, and runs a background task while its config is in use (as a
-    KV-event subscriber or a metrics scraper would)."""
+class Pinned:
+    """The service of `PinnedPicker`: runs while its config is in use, as a KV-event
+    subscriber or a metrics scraper would."""
 
-    class Parameters(msgspec.Struct, forbid_unknown_fields=True):
-        endpoint: str
-
-    def __init__(self, params: Parameters, context: PluginContext) -> None:
-        self.endpoint = params.endpoint
-        self.finished: list[str] = []
+    def __init__(self) -> None:
         self.running = asyncio.Event()
         self.stopped = asyncio.Event()
-        context.background.run(f"{context.name}-task", self._run)
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
         self.running.set()
         try:
             await asyncio.Event().wait()
         finally:
             self.stopped.set()
+
+    def describe_endpoint(self, endpoint: Endpoint) -> dict[str, object]:
+        return {}
+
+    def collector(self) -> None:
+        return None
+
+
+class PinnedPicker:
+    """Picks the endpoint named in its parameters, records the requests that end
+    through it, and has a service that runs while its config is in use."""
+
+    class Parameters(msgspec.Struct, forbid_unknown_fields=True):
+        endpoint: str
+
+    Service = staticmethod(lambda params, context: Pinned())
+
+    def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.endpoint = params.endpoint
+        self.finished: list[str] = []
+        assert isinstance(context.service, Pinned)
+        self.running = context.service.running
+        self.stopped = context.service.stopped
 
     def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
         return [s.endpoint for s in scored if s.endpoint.name == self.endpoint]
@@ -221,7 +237,7 @@ async def test_a_request_that_never_ends_cannot_hold_the_old_config_forever(
 
     replace(path, pinned("pod-b"))
     await wait_reloads(epp, "applied", 1)
-    # The drain timeout stops the old config's background work ...
+    # The drain timeout stops the old config's services ...
     await asyncio.wait_for(old.stopped.wait(), 5)
     assert await epp.wait_metric("epp_configs_draining", None, 0) == 0
     # ... but the request itself still ends normally, on its own config.

@@ -22,7 +22,9 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from epp.datastore import Datastore
 from epp.errors import BadRequest
+from epp.kvindex.service import NoLookup, PrecisePrefixConfig, PrecisePrefixService
 from epp.requests import (
     ChatPrompt,
     CompletionPrompt,
@@ -30,10 +32,8 @@ from epp.requests import (
     parse_request,
     rewrite_model,
 )
-from epp.scheduling import CycleState
-from plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from tests.fuzzing import examples
-from tests.plugins.helpers import context, make_endpoints
+from tests.plugins.helpers import make_endpoints
 from tests.testdata import qwen_dir
 
 MARKER = "Zq9-private-prompt-marker"
@@ -173,21 +173,21 @@ def test_a_model_rewrite_changes_the_model_and_nothing_else(
 
 
 @pytest.fixture(scope="module")
-def precise() -> Iterator[tuple[asyncio.Runner, PrecisePrefixCacheScorer]]:
-    params = msgspec.convert(
+def precise() -> Iterator[tuple[asyncio.Runner, PrecisePrefixService]]:
+    config = msgspec.convert(
         {"blockSize": 4, "tokenizers": [{"model": "*", "path": str(qwen_dir())}]},
-        PrecisePrefixCacheScorer.Parameters,
+        PrecisePrefixConfig,
     )
     runner = asyncio.Runner()
-    plugin = PrecisePrefixCacheScorer(params, context("prefix"))
-    runner.run(plugin.tokenizers.load())
-    assert plugin.tokenizers.describe() == {"*": "ready"}
+    service = PrecisePrefixService(config, Datastore())
+    runner.run(service.tokenizers.load())
+    assert service.tokenizers.describe() == {"*": "ready"}
     logging.disable(logging.ERROR)  # skipped requests are logged once per cause
     try:
-        yield runner, plugin
+        yield runner, service
     finally:
         logging.disable(logging.NOTSET)
-        plugin.tokenizers.close()
+        service.tokenizers.close()
         runner.close()
 
 
@@ -230,20 +230,22 @@ plausible_requests = st.one_of(
 
 @settings(max_examples=examples(200))
 @given(plausible_requests)
-def test_the_precise_scorer_prepares_any_parsed_request_without_raising(
-    precise: tuple[asyncio.Runner, PrecisePrefixCacheScorer], pair: tuple[str, dict[str, Any]]
+def test_the_precise_service_looks_up_any_parsed_request_without_raising(
+    precise: tuple[asyncio.Runner, PrecisePrefixService], pair: tuple[str, dict[str, Any]]
 ) -> None:
-    runner, plugin = precise
+    runner, service = precise
     path, body = pair
     request = _outcome(path, json.dumps(body).encode())
     if isinstance(request, BadRequest):
         event("refused by the parser")
         return
-    cycle = CycleState()
     endpoints = make_endpoints(2)
-    skipped = dict(plugin.stats.skipped)
-    runner.run(plugin.prepare(request, cycle, endpoints))
-    why = [k for k, v in plugin.stats.skipped.items() if v != skipped.get(k, 0)]
-    event(f"skipped: {why[0]}" if why else "tokenized and looked up")
-    scores = plugin.score(request, cycle, endpoints)
-    assert all(0.0 <= s <= 1.0 for s in scores.values())
+    found = runner.run(service.lookup_request(request, endpoints))
+    if isinstance(found, NoLookup):
+        event(f"skipped: {found.reason}")
+        assert found.reason in service.stats.skipped
+    elif found is None:
+        event("no prompt")
+    else:
+        event("tokenized and looked up")
+        assert all(0.0 <= found.score(e) <= 1.0 for e in endpoints)

@@ -2,10 +2,10 @@
 kubernetes-validate does not know (it ships the built-in kinds only).
 
 Written for these tests from the resources' published field definitions
-(DESIGN §6 for InferencePool): the fields, types, bounds and enums the chart may
-use, with unknown fields refused, like kubernetes-validate's strict schemas and
-like the API server's structural-schema pruning would make them vanish silently.
-They check what the chart writes, not every field the CRDs allow.
+(docs/architecture.md, "Kubernetes", for InferencePool): the fields, types, bounds
+and enums the chart may use, with unknown fields refused, like kubernetes-validate's
+strict schemas and like the API server's structural-schema pruning would make them
+vanish silently. They check what the chart writes, not every field the CRDs allow.
 """
 
 from __future__ import annotations

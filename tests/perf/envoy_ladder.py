@@ -38,7 +38,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.runner import percentile
 from bench.stack import (
     ENVOY_YAML,
     EppPorts,
@@ -50,6 +49,7 @@ from bench.stack import (
     start_epp,
     write_endpoints_file,
 )
+from bench.stats import percentile
 from tests.integration.load_mix import EXPECTED, MAX_BODY_BYTES, open_loop
 from tests.integration.upstream import Upstreams
 

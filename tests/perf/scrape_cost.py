@@ -132,7 +132,8 @@ async def measure(
     datastore = Datastore()
     datastore.replace_all(EndpointSpec(f"pod-{i}", a) for i, a in enumerate(addresses))
     registry = CollectorRegistry()
-    scraper = MetricsScraper(datastore, MetricsExtractor(), settings, registry)
+    scraper = MetricsScraper(datastore, MetricsExtractor(), settings)
+    registry.register(scraper.collector())
 
     def count(result: str) -> float:
         return registry.get_sample_value("epp_metrics_scrapes_total", {"result": result}) or 0.0
@@ -175,7 +176,9 @@ async def measure(
         "cpu_us_per_endpoint_per_s": round(cpu / wall / endpoints * 1e6, 1),
         # The kernel's share: sending, receiving and polling the sockets.
         "system_share_of_cpu": round((usage1.ru_stime - usage0.ru_stime) / cpu, 3) if cpu else 0.0,
-        "fresh_endpoints": sum(1 for e in datastore.all_endpoints() if not e.metrics.stale()),
+        "fresh_endpoints": sum(
+            1 for e in datastore.all_endpoints() if not e.metrics.stale(time.monotonic())
+        ),
     }
 
 

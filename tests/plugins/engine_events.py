@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import msgspec
 
 from epp.datastore import Endpoint
-from epp.kvindex.ingest import StreamIndex
-from epp.sources.kv_wire import decode_batch
-from plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from epp.kvindex.events import decode_batch
+from epp.kvindex.service import PrecisePrefixService
 from sim.hashing import BlockHasher, event_extra_keys, to_event_hash
 
 
@@ -42,11 +41,7 @@ def stored_payload(
     return msgspec.msgpack.encode([time.time(), [event], 0])
 
 
-def attach(plugin: PrecisePrefixCacheScorer, endpoint: Endpoint) -> StreamIndex:
-    """A KV-event stream of `endpoint` in the plugin's index, fed by the test
-    instead of a ZMQ socket (the ingestion after the socket is the real one)."""
-    return plugin.precise.add_stream(endpoint, 0)
-
-
-def feed(stream: StreamIndex, payload: bytes) -> None:
-    stream.apply(decode_batch(payload))
+def feed(service: PrecisePrefixService, endpoint: Endpoint, payload: bytes) -> None:
+    """Apply a KV-event payload of `endpoint` to the service's index as its
+    subscriber would, without a ZMQ socket (the ingestion is the real one)."""
+    service.feed(endpoint, decode_batch(payload))

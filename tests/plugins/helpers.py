@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from epp.clock import SYSTEM_CLOCK, Clock
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.requests import Api, InferenceRequest
 from epp.scheduling import PluginContext, ScoredEndpoint
 
 
-def context(name: str) -> PluginContext:
+def context(name: str, clock: Clock = SYSTEM_CLOCK) -> PluginContext:
     return PluginContext(
         name=name,
         type_name=name,
         datastore=Datastore(),
         metrics=CollectorRegistry(),
         plugins={},
+        clock=clock,
     )
 
 

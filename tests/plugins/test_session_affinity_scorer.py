@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import base64
-import time
 
 import msgspec
 import pytest
 
+from epp.clock import SYSTEM_CLOCK, Clock, VirtualClock
 from epp.requests import parse_request
 from epp.scheduling import CycleState, SchedulingResult
 from epp.scheduling.types import ProfileResult, ScoredEndpoint
@@ -15,9 +15,9 @@ from plugins.session_affinity_scorer import SessionAffinityScorer
 from tests.plugins.helpers import context, make_endpoints
 
 
-def scorer(**params: object) -> SessionAffinityScorer:
+def scorer(clock: Clock = SYSTEM_CLOCK, **params: object) -> SessionAffinityScorer:
     parameters = msgspec.convert(params, SessionAffinityScorer.Parameters)
-    return SessionAffinityScorer(parameters, context("session-affinity-scorer"))
+    return SessionAffinityScorer(parameters, context("session-affinity-scorer", clock))
 
 
 def request(headers: dict[str, str] | None = None, body: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
@@ -73,13 +73,12 @@ def test_a_session_whose_endpoint_left_rebinds() -> None:
     assert plugin.score(request({"x-session-id": "s"}), CycleState(), [a, b])[b] == 1.0
 
 
-def test_bindings_expire_and_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bindings_expire_and_are_bounded() -> None:
+    clock = VirtualClock(1000.0)
     plugin = scorer(
-        strategy="session_id", sessionIdConfig={"evictionTtlSeconds": 10, "maxSessions": 3}
+        clock, strategy="session_id", sessionIdConfig={"evictionTtlSeconds": 10, "maxSessions": 3}
     )
     endpoints = make_endpoints(2)
-    clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     for i in range(5):
         plugin.pre_request(request({"x-session-id": f"s{i}"}), CycleState(), routed(endpoints[0]))
     assert len(plugin) == 3  # the least recently used went first
@@ -89,7 +88,7 @@ def test_bindings_expire_and_are_bounded(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (
         plugin.score(request({"x-session-id": "s4"}), CycleState(), endpoints)[endpoints[0]] == 1.0
     )
-    clock[0] += 11
+    clock.advance(11)
     assert (
         plugin.score(request({"x-session-id": "s4"}), CycleState(), endpoints)[endpoints[0]] == 0.0
     )

@@ -26,13 +26,13 @@ from hypothesis import strategies as st
 from epp.app import EppApp
 from epp.approxindex import chain_seed
 from epp.datastore import Endpoint
-from epp.kvindex.ingest import StreamIndex
+from epp.kvindex.service import PrecisePrefixService
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling.types import ResponseInfo
 from tests.epp.conftest import app_on_runner, local_options, write_endpoints
 from tests.epp.extproc import envoy_client as ec
 from tests.fuzzing import examples
-from tests.plugins.engine_events import attach, feed, stored_payload
+from tests.plugins.engine_events import feed, stored_payload
 
 ENDPOINTS = {"pod-a": "10.0.0.1:8000", "pod-b": "10.0.0.2:8000"}
 CONFIG = """\
@@ -86,7 +86,8 @@ NO_AFFINITY = {"precise": {"pod-a": 0.0, "pod-b": 0.0}, "approx": {"pod-a": 0.0,
 class Running:
     runner: asyncio.Runner
     app: EppApp
-    streams: dict[str, StreamIndex]
+    service: PrecisePrefixService
+    endpoints: dict[str, Endpoint]
     counter: Iterator[int]
 
     def explain(self, request: InferenceRequest) -> dict[str, dict[str, float]]:
@@ -108,12 +109,10 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     path: Path = tmp_path_factory.mktemp("tenants") / "endpoints.yaml"
     write_endpoints(path, ENDPOINTS)
     with app_on_runner(local_options(path, config_text=CONFIG)) as (runner, app):
-        precise = app.director.config.plugins["precise"]
-        streams = {}
-        for endpoint in app.datastore.all_endpoints():
-            assert isinstance(endpoint, Endpoint)
-            streams[endpoint.name] = attach(precise, endpoint)
-        yield Running(runner, app, streams, itertools.count())
+        service = app.director.config.services["precise"]
+        assert isinstance(service, PrecisePrefixService)
+        endpoints = {e.name: e for e in app.datastore.all_endpoints()}
+        yield Running(runner, app, service, endpoints, itertools.count())
 
 
 # An empty salt is no salt, in vLLM and here; a few short values make collisions
@@ -134,7 +133,7 @@ def test_a_prefix_cached_under_one_salt_scores_only_for_that_salt(
     prompt = [60_000 + next(running.counter), *tokens]
     full = len(prompt) // 4 * 4
     # pod-a's engine caches the prompt under `cached_under`, and the EPP routed it there.
-    feed(running.streams["pod-a"], stored_payload(prompt, salt=cached_under))
+    feed(running.service, running.endpoints["pod-a"], stored_payload(prompt, salt=cached_under))
     running.route_to_pod_a(completion(prompt, cached_under))
 
     owner = running.explain(completion(prompt, cached_under))

@@ -43,7 +43,7 @@ def test_golden_block_hashes(algo: str) -> None:
 
 
 # sha256_cbor over tokens 1..48 for other seeds, from the same vLLM-computed tables
-# (research notes on vLLM's KV events, §7): the seed is PYTHONHASHSEED, else
+# (docs/architecture.md, "vLLM's KV events"): the seed is PYTHONHASHSEED, else
 # "vllm-none-hash".
 SEEDED_EVENT_HASHES = {
     "42": [16300212363532267629, 8671309795006503672, 3527878332947511115],

@@ -1,7 +1,7 @@
 """Kubernetes objects as the endpoint source needs them: the InferencePool's spec,
 the pods it selects, and the endpoints a pod yields.
 
-InferencePool, in its two API versions (DESIGN §6):
+InferencePool, in its two API versions (docs/architecture.md, "Kubernetes"):
 
     inference.networking.k8s.io/v1           inference.networking.x-k8s.io/v1alpha2
     spec.selector.matchLabels {k: v}         spec.selector {k: v}

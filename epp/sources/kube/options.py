@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from epp import defaults
 from epp.sources.kube.objects import POOL_VERSIONS, V1_GROUP, KvEventPorts
 
 
@@ -21,7 +22,7 @@ class WatchSettings:
     """How lists and watches are timed and retried (`reflector.py`)."""
 
     # The server ends each watch after timeoutSeconds, drawn from [T, 2T).
-    watch_timeout_s: float = 60.0
+    watch_timeout_s: float = defaults.KUBE_WATCH_TIMEOUT.seconds
     # The read timeout on a watch: timeoutSeconds plus this. A silent connection
     # beyond it is dead.
     read_grace_s: float = 15.0
@@ -40,7 +41,7 @@ class KubeOptions:
     """The Kubernetes endpoint source's settings (from the command line)."""
 
     pool_name: str | None = None
-    pool_namespace: str = "default"
+    pool_namespace: str = defaults.POOL_NAMESPACE
     pool_group: str = V1_GROUP
     endpoint_selector: Mapping[str, str] | None = None
     endpoint_target_ports: tuple[int, ...] = ()

@@ -1,7 +1,7 @@
 """The Kubernetes endpoint source: the pods of an InferencePool (or of a label
 selector, standalone), kept in the datastore by list + watch.
 
-Two modes (exactly one; DESIGN §3.1):
+Two modes (exactly one; docs/architecture.md, "Processes, ports, the endpoints file"):
 - InferencePool (`--pool-name`, `--pool-namespace`, `--pool-group`): the pool object
   is watched too, so a change of its selector re-targets the pod watch (a fresh
   list with the new selector) and a change of its ports rebuilds the endpoints,

@@ -1,10 +1,10 @@
 """A grpc.aio client that plays Envoy's ext_proc filter against the EPP.
 
-Messages are built the way Envoy 1.40 sends them (DESIGN §3.2): header values in
-`raw_value` (bytes), the pseudo-headers `:method`, `:path`, `:authority`,
-`protocol_config` with the body modes on the first message, bodies as `HttpBody`
-chunks whose last one has `end_of_stream` (possibly empty), and an optional subset
-hint in `metadata_context`.
+Messages are built the way Envoy 1.40 sends them (docs/architecture.md, "The
+ext_proc protocol"): header values in `raw_value` (bytes), the pseudo-headers
+`:method`, `:path`, `:authority`, `protocol_config` with the body modes on the first
+message, bodies as `HttpBody` chunks whose last one has `end_of_stream` (possibly
+empty), and an optional subset hint in `metadata_context`.
 
 `EnvoyStream` wraps one `ExternalProcessor/Process` call; `Reply` decodes what the
 EPP sends back into plain values the tests compare.

@@ -1,5 +1,5 @@
-"""The ext_proc protocol of DESIGN §3.2, spoken over real gRPC to the real EPP by a
-client that sends what Envoy 1.40 sends."""
+"""The ext_proc protocol (docs/architecture.md, "The ext_proc protocol"), spoken over
+real gRPC to the real EPP by a client that sends what Envoy 1.40 sends."""
 
 from __future__ import annotations
 

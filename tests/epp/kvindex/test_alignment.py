@@ -4,8 +4,8 @@ independent implementation of vLLM's hashing, checked against vLLM's vectors).""
 from __future__ import annotations
 
 from epp.kvindex.alignment import AlignmentChecker, AlignmentState
+from epp.kvindex.events import BlockStored
 from epp.kvindex.hashing import EngineHasher
-from epp.sources.kv_wire import BlockStored
 from sim.hashing import BlockHasher, event_extra_keys, to_event_hash
 
 TOKENS = list(range(100, 164))  # 4 blocks of 16

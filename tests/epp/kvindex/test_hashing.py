@@ -9,9 +9,8 @@ from epp.kvindex.hashing import (
     EngineHasher,
     HashContext,
     key_of,
-    token_bytes,
-    token_ids,
 )
+from epp.tokenization.tokens import token_bytes, token_ids
 from tests.testdata import load_json, token_range
 
 TOKENS = list(range(1, 49))

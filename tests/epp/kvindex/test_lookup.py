@@ -3,10 +3,11 @@ speculative entries and anchors."""
 
 from __future__ import annotations
 
-from epp.kvindex.hashing import EngineHasher, token_bytes
+from epp.kvindex.hashing import EngineHasher
 from epp.kvindex.index import PrefixIndex, Tier
 from epp.kvindex.lookup import common_blocks, longest_prefix
 from epp.kvindex.speculative import SpeculativeIndex
+from epp.tokenization.tokens import token_bytes
 
 BS = 4  # a small block size keeps the prompts short
 

@@ -10,11 +10,11 @@ from epp.datastore import CACHE_INFO, KV_CACHE_USAGE, LORA, RUNNING, WAITING, En
 from epp.sources.metrics import (
     BUILTIN_ENGINES,
     EngineSpec,
-    FastReader,
     MetricsExtractor,
     MetricSpec,
     PageError,
     ReadCache,
+    SinglePassReader,
     read_page,
     read_series,
 )
@@ -282,10 +282,10 @@ def test_label_cache_stays_bounded() -> None:
             b'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a%d"} 1\n' % i
         )
         assert extractor.extract(page, endpoint()).running_adapters == {f"a{i}"}
-    assert len(extractor._cache.labels) <= 4096
+    assert len(extractor._read_cache.labels) <= 4096
 
 
-FAST_READER_PAGES = {
+SINGLE_PASS_PAGES = {
     "vllm": vllm_page(),
     "vllm-dp2": vllm_page(engines=2, waiting=4, running=3),
     "vllm-two-lora": vllm_page(lora=(("old", "", 2, 100.0), ("a,b", "q", 4, 200.0))),
@@ -302,25 +302,25 @@ FAST_READER_PAGES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(FAST_READER_PAGES))
-def test_the_fast_reader_reads_what_read_page_reads(name: str) -> None:
-    page = FAST_READER_PAGES[name]
+@pytest.mark.parametrize("name", sorted(SINGLE_PASS_PAGES))
+def test_the_single_pass_reader_reads_what_read_page_reads(name: str) -> None:
+    page = SINGLE_PASS_PAGES[name]
     engine = SGLANG if name.startswith("sglang") else VLLM
-    assert FastReader.suits(engine)
-    reader = FastReader(engine, ReadCache())
+    assert SinglePassReader.suits(engine)
+    reader = SinglePassReader(engine, ReadCache())
     expected = read_page(page, engine)
     for _ in range(2):  # the second time from what the first remembered
-        fast = reader.read(page)
+        single_pass = reader.read(page)
         # It declines what it does not read itself, and read_page reads it instead.
-        assert fast is None or fast == expected
+        assert single_pass is None or single_pass == expected
     # Pages it reads itself: all but another KV name and unreadable lines.
     declined = {"vllm-older-kv-name", "vllm-unreadable-line"}
     assert (reader.read(page) is None) == (name in declined)
 
 
 def test_engines_with_label_selectors_are_read_by_read_page() -> None:
-    assert not FastReader.suits(BUILTIN_ENGINES["triton-tensorrt-llm"])
-    assert not FastReader.suits(BUILTIN_ENGINES["trtllm-serve"])  # cache info from gauges
+    assert not SinglePassReader.suits(BUILTIN_ENGINES["triton-tensorrt-llm"])
+    assert not SinglePassReader.suits(BUILTIN_ENGINES["trtllm-serve"])  # cache info from gauges
 
 
 @pytest.mark.parametrize(
@@ -334,5 +334,40 @@ def test_engines_with_label_selectors_are_read_by_read_page() -> None:
     ],
     ids=["empty", "html", "wrong-engine", "first-line-only", "no-comment-lines"],
 )
-def test_the_fast_reader_leaves_other_pages_to_read_page(page: bytes) -> None:
-    assert FastReader(VLLM, ReadCache()).read(page) is None
+def test_the_single_pass_reader_leaves_other_pages_to_read_page(page: bytes) -> None:
+    assert SinglePassReader(VLLM, ReadCache()).read(page) is None
+
+
+@pytest.mark.parametrize("first", ["single-pass", "read_page"])
+def test_both_readers_keep_their_facts_in_one_cache(first: str) -> None:
+    cache = ReadCache()
+    reader = SinglePassReader(VLLM, cache)
+    page = vllm_page(waiting=3)
+    if first == "single-pass":
+        assert reader.read(page) is not None
+    else:
+        read_page(page, VLLM, cache)
+    # One table per engine and fact, made for the engine's specs...
+    specs, known = cache.facts[("vllm", WAITING)]
+    assert specs is VLLM.waiting
+    ((block, derived),) = known.items()
+    assert block.startswith(b"vllm:num_requests_waiting")
+    assert derived == ({"": 3}, None)
+    # ... and what it holds is a lookup for both readers: a planted value is what
+    # they read.
+    known[block] = ({"": 99}, None)
+    single_pass = reader.read(page)
+    assert single_pass is not None
+    assert single_pass["waiting_requests"] == 99
+    assert read_page(page, VLLM, cache)["waiting_requests"] == 99
+
+
+def test_another_engine_config_under_the_same_name_does_not_share_facts() -> None:
+    cache = ReadCache()
+    page = vllm_page(waiting=3)
+    assert read_page(page, VLLM, cache)["waiting_requests"] == 3
+    known = cache.facts[("vllm", WAITING)][1]
+    for block in known:
+        known[block] = ({"": 99}, None)
+    other = EngineSpec("vllm", waiting=(MetricSpec("vllm:num_requests_waiting"),))
+    assert read_page(page, other, cache)["waiting_requests"] == 3

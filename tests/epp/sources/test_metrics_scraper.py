@@ -46,7 +46,8 @@ async def scraping(
         for name, s in servers.items()
     )
     registry = CollectorRegistry()
-    scraper = MetricsScraper(datastore, MetricsExtractor(), settings, registry)
+    scraper = MetricsScraper(datastore, MetricsExtractor(), settings)
+    registry.register(scraper.collector())
     task = asyncio.create_task(scraper.run())
     try:
         yield Running(datastore, scraper), registry
@@ -78,7 +79,7 @@ async def test_every_endpoint_gets_fresh_metrics(servers: list[MetricsServer]) -
             assert metrics.waiting_requests == i + 1
             assert metrics.running_requests == 12
             assert metrics.kv_cache_usage == 0.42
-            assert not metrics.stale()
+            assert not metrics.stale(time.monotonic())
             assert metrics.error is None
         servers[0].page = vllm_page(waiting=40, kv_usage=0.9)
         await run.until(lambda: run.endpoint("pod-0").metrics.waiting_requests == 40)
@@ -102,7 +103,9 @@ async def test_a_hung_metrics_endpoint_turns_stale_with_the_reason(
         metrics = run.endpoint("pod").metrics
         assert "no answer within 0.2s" in (metrics.error or "")
         assert metrics.waiting_requests == 1  # the last good values are kept...
-        await run.until(lambda: run.endpoint("pod").metrics.stale())  # ...until too old
+        await run.until(
+            lambda: run.endpoint("pod").metrics.stale(time.monotonic())
+        )  # ...until too old
         described = describe_metrics(run.endpoint("pod").metrics)
         assert described["stale"] is True
         assert "stale: last good scrape" in str(described["reason"])
@@ -110,7 +113,7 @@ async def test_a_hung_metrics_endpoint_turns_stale_with_the_reason(
         assert sample(registry, "epp_metrics_scrapes_total", {"result": "timeout"}) >= 1
         assert sample(registry, "epp_metrics_stale_endpoints") == 1
         servers[0].delay_s = 0.0
-        await run.until(lambda: not run.endpoint("pod").metrics.stale())
+        await run.until(lambda: not run.endpoint("pod").metrics.stale(time.monotonic()))
         assert run.endpoint("pod").metrics.error is None
 
 
@@ -132,7 +135,7 @@ async def test_bad_answers_are_errors_never_numbers(
             setattr(servers[0], key, value)
         await run.until(lambda: run.endpoint("pod").metrics.error is not None)
         assert message in (run.endpoint("pod").metrics.error or "")
-        await run.until(lambda: run.endpoint("pod").metrics.stale())
+        await run.until(lambda: run.endpoint("pod").metrics.stale(time.monotonic()))
         assert sample(registry, "epp_metrics_scrapes_total", {"result": result}) >= 1
 
 
@@ -143,8 +146,8 @@ async def test_nan_and_negative_values_leave_the_fact_unknown(
     async with scraping({"pod": servers[0]}) as (run, _):
         await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
         metrics = run.endpoint("pod").metrics
-        assert not metrics.known(WAITING)
-        assert metrics.known("running")
+        assert not metrics.known(WAITING, time.monotonic())
+        assert metrics.known("running", time.monotonic())
         described = describe_metrics(metrics)
         assert "is NaN" in str(described["reason"])
         assert "negative" in str(described["reason"])
@@ -154,7 +157,7 @@ async def test_an_unreachable_endpoint_is_never_fresh() -> None:
     async with scraping({"gone": "127.0.0.1:1"}) as (run, registry):
         await run.until(lambda: run.endpoint("gone").metrics.error is not None)
         metrics = run.endpoint("gone").metrics
-        assert metrics.stale()
+        assert metrics.stale(time.monotonic())
         assert "never scraped" in str(describe_metrics(metrics)["reason"])
         assert sample(registry, "epp_metrics_scrapes_total", {"result": "connect_error"}) >= 1
 
@@ -168,12 +171,12 @@ async def test_a_server_that_goes_away_is_stale_at_the_next_scrape() -> None:
     port = server.port
     async with scraping({"pod": server}, settings) as (run, registry):
         await run.until(lambda: run.endpoint("pod").metrics.updated_at > 0)
-        assert not run.endpoint("pod").metrics.stale()
+        assert not run.endpoint("pod").metrics.stale(time.monotonic())
         await server.stop()
-        await run.until(lambda: run.endpoint("pod").metrics.stale())
+        await run.until(lambda: run.endpoint("pod").metrics.stale(time.monotonic()))
         metrics = run.endpoint("pod").metrics
         assert metrics.unreachable
-        assert metrics.age() < 5.0  # stale long before the 60 s threshold
+        assert metrics.age(time.monotonic()) < 5.0  # stale long before the 60 s threshold
         assert metrics.waiting_requests == 4  # the last values are kept, not trusted
         described = describe_metrics(metrics)
         assert str(described["reason"]).startswith("unreachable: ")
@@ -184,7 +187,7 @@ async def test_a_server_that_goes_away_is_stale_at_the_next_scrape() -> None:
         try:
             await run.until(lambda: run.endpoint("pod").metrics.waiting_requests == 5)
             metrics = run.endpoint("pod").metrics
-            assert not metrics.stale()
+            assert not metrics.stale(time.monotonic())
             assert not metrics.unreachable
             assert metrics.error is None
         finally:

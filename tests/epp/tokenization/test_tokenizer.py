@@ -15,13 +15,13 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from epp.kvindex.hashing import token_ids
 from epp.requests import parse_request
 from epp.tokenization.chat_template import ChatTemplate, ChatTemplateError
 from epp.tokenization.hub import HubFetchError, fetch_tokenizer
 from epp.tokenization.models import LoraAdapter, TokenizerRegistry, TokenizerSource
 from epp.tokenization.prompts import Unsupported, prompt_tokens, token_id_prompt
 from epp.tokenization.tokenizer import PromptTokenizer
+from epp.tokenization.tokens import token_ids
 from tests.testdata import qwen_dir
 
 
@@ -201,12 +201,43 @@ async def test_the_piece_cache_is_bounded() -> None:
     assert tokenizer.cached_bytes <= 20_000
 
 
+async def _checked(tokenizer: PromptTokenizer, piecewise: bool) -> None:
+    """Wait (at most 5 s) for the sampled check, which runs in a worker thread, to
+    leave the piece cache `piecewise`."""
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if tokenizer.piecewise == piecewise:
+            return
+
+
 async def test_a_sampled_request_is_checked_against_whole_text() -> None:
     tokenizer = PromptTokenizer.load("qwen", qwen_dir(), verify_every=1)
     text = "<|im_start|>user\nhello<|im_end|>\n"
     await tokenizer.encode(text, False)
     await asyncio.sleep(0.2)  # the check runs in a worker thread
     assert tokenizer.piecewise  # it agreed
+
+
+async def test_a_mismatch_found_by_the_check_turns_the_piece_cache_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tokenizer = PromptTokenizer.load("qwen", qwen_dir(), verify_every=1)
+    assert tokenizer.piecewise
+    text = "<|im_start|>user\nhello<|im_end|>\n"
+    # The tokenizers library cuts at special tokens itself, so no real tokenizer
+    # that passes the load-time sample disagrees on demand: a wrong entry in the
+    # piece cache (the second piece, `<|im_end|>\n`) stands for pieces that
+    # tokenize differently from the whole text.
+    tokenizer._cache["<|im_end|>\n"] = tokenizer.encode_now("goodbye")
+    with caplog.at_level("ERROR", logger="epp.tokenization.tokenizer"):
+        wrong = await tokenizer.encode(text, False)
+        assert token_ids(wrong) != whole(tokenizer, text)  # the premise: pieces disagree
+        await _checked(tokenizer, piecewise=False)
+    assert not tokenizer.piecewise, "the check saw the mismatch and turned the cut off"
+    assert tokenizer.cached_bytes == 0, "and forgot every piece"
+    assert "the piece cache is off from now on" in caplog.text
+    # From now on the text is tokenized whole: the right ids, however it is cut.
+    assert token_ids(await tokenizer.encode(text, False)) == whole(tokenizer, text)
 
 
 def _tiny_tokenizer(directory: Path, bos: bool, lstrip: bool = False) -> Path:

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from epp.sources.kv_wire import (
+from epp.kvindex.events import (
     REJECT_BAD_EVENT,
     REJECT_BAD_HASH,
     REJECT_BAD_PAYLOAD,

@@ -8,13 +8,13 @@ batch is accepted too, as cheap insurance). Each event is a tagged union, `type`
 - up to vLLM 0.23 an array, the tag first, then the fields in declaration order;
 - from vLLM 0.24 a map keyed by field name, the tag under `"type"`.
 
-Unknown trailing elements and unknown keys are ignored, missing trailing fields
-take their defaults, so every version from 0.9 on decodes (DESIGN §4 lists the
-fields per version). Block hashes are normalised to the index key, an unsigned
-64-bit int: ints are masked to 64 bits (older engines send signed ints), bytes
-(`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: a 32- or 16-byte digest) give their last
-8 bytes, big-endian. Medium names are lower-cased ("GPU", "cpu", "CPU_PINNED" ->
-"gpu", "cpu", "cpu"); no medium (before vLLM 0.10.2) means the GPU.
+Unknown trailing elements and unknown keys are ignored, missing trailing fields take
+their defaults, so every version from 0.9 on decodes (docs/architecture.md, "vLLM's
+KV events", lists the fields per version). Block hashes are normalised to the index
+key, an unsigned 64-bit int: ints are masked to 64 bits (older engines send signed
+ints), bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: a 32- or 16-byte digest) give
+their last 8 bytes, big-endian. Medium names are lower-cased ("GPU", "cpu",
+"CPU_PINNED" -> "gpu", "cpu", "cpu"); no medium (before vLLM 0.10.2) means the GPU.
 
 The batch is decoded without a schema (msgspec builds plain lists and dicts, which
 is as fast as typed structs here and tolerates every version's shape), then each

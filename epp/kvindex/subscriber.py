@@ -1,13 +1,13 @@
 """The KV-event subscriber: one ZMQ SUB socket per endpoint (and data-parallel rank),
 keeping the prefix index in step with what each engine really caches.
 
-Transport facts (DESIGN §4): a live message is `[topic, seq (8-byte big-endian),
-msgpack payload]`; `seq` starts at 0 when the engine starts and grows by one per
-batch. A replay ROUTER, when the engine has one, answers a DEALER's
-`[b"", start_seq]` with every kept batch from `start_seq` on, then an end marker
-(seq ff x 8); replies are `[topic, seq, payload]` from vLLM 0.26 and
-`[seq, payload]` before, and a start older than the buffer silently starts later.
-Data-parallel rank r publishes on port + r, with its own seq space.
+Transport facts (docs/architecture.md, "vLLM's KV events"): a live message is
+`[topic, seq (8-byte big-endian), msgpack payload]`; `seq` starts at 0 when the
+engine starts and grows by one per batch. A replay ROUTER, when the engine has one,
+answers a DEALER's `[b"", start_seq]` with every kept batch from `start_seq` on,
+then an end marker (seq ff x 8); replies are `[topic, seq, payload]` from vLLM 0.26
+and `[seq, payload]` before, and a start older than the buffer silently starts
+later. Data-parallel rank r publishes on port + r, with its own seq space.
 
 Each stream is an explicit state machine (`StreamState`):
 
@@ -55,9 +55,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from epp.datastore import Datastore, Endpoint
+from epp.kvindex.events import END_SEQ, WireError, decode_batch
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
 from epp.logs import LogOnce
-from epp.sources.kv_wire import END_SEQ, WireError, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -571,7 +571,6 @@ class KVEventSubscriber:
         until cancelled."""
         self._context = zmq.asyncio.Context()
         self._running = True
-        sweeper = asyncio.create_task(self.index.run_sweeper(), name="kv-index-sweeper")
         try:
             self._membership(list(self.datastore.all_endpoints()), [])
             self.datastore.add_listener(self._membership)
@@ -579,11 +578,10 @@ class KVEventSubscriber:
         finally:
             self._running = False
             self.datastore.remove_listener(self._membership)
-            sweeper.cancel()
             tasks = [task for streams in self.streams.values() for _, task in streams]
             for task in tasks:
                 task.cancel()
-            for task in [*tasks, sweeper]:
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self.streams.clear()

@@ -15,11 +15,11 @@ import zmq
 
 from bench.stack import free_port
 from epp.datastore import EndpointSpec
-from epp.sources.kv_events import StreamState, SubscriberSettings, offset_address
-from epp.sources.kv_wire import decode_batch
+from epp.kvindex.events import decode_batch
+from epp.kvindex.subscriber import StreamState, SubscriberSettings, offset_address
 from sim.hashing import to_event_hash
 from sim.server import SimPod
-from tests.epp.sources.kv_support import (
+from tests.epp.kvindex.kv_support import (
     FAST,
     Harness,
     RawPublisher,
@@ -449,7 +449,7 @@ def test_a_batch_for_an_endpoint_already_removed_changes_nothing() -> None:
 async def test_a_payload_with_invalid_utf8_or_a_junk_extra_key_never_restarts_the_stream(
     publishers: list[RawPublisher], harnesses: list[Harness], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Regressions found by fuzzing (tests/epp/sources/test_kv_wire_fuzz.py): a msgpack
+    """Regressions found by fuzzing (tests/epp/kvindex/test_events_fuzz.py): a msgpack
     string that is not UTF-8 escaped the decoder as a UnicodeDecodeError, and an
     extra key that is not a list (after block 0) made the alignment check raise. Either
     broke the stream mid-batch; it restarted, replayed the same bytes and broke again."""

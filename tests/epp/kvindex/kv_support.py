@@ -1,5 +1,6 @@
 """Shared pieces of the KV-event tests: a subscriber over a real index, a hand-driven
-publisher speaking vLLM's wire format (DESIGN §4) for exact control, and helpers."""
+publisher speaking vLLM's wire format (docs/architecture.md, "vLLM's KV events") for
+exact control, and helpers."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from epp.kvindex.alignment import AlignmentChecker
 from epp.kvindex.hashing import EngineHasher
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.ingest import PreciseIndex
-from epp.sources.kv_events import KVEventStream, KVEventSubscriber, SubscriberSettings
+from epp.kvindex.subscriber import KVEventStream, KVEventSubscriber, SubscriberSettings
 
 END_SEQ = b"\xff" * 8
 FAST = SubscriberSettings(
@@ -41,7 +42,7 @@ class Harness:
     precise: PreciseIndex
     subscriber: KVEventSubscriber
     hasher: EngineHasher
-    task: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def endpoint(self, name: str) -> Endpoint:
         endpoint = self.datastore.get(name)
@@ -68,14 +69,20 @@ class Harness:
         self.datastore.replace_all(specs)
 
     async def start(self) -> None:
-        self.task = asyncio.create_task(self.subscriber.run())
+        """Run the subscriber and the index's sweeper, as the precise prefix service
+        does."""
+        self.tasks = [
+            asyncio.create_task(self.subscriber.run()),
+            asyncio.create_task(self.precise.run_sweeper()),
+        ]
         await asyncio.sleep(0)
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+                await task
 
 
 def make_harness(

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.kvindex.alignment import AlignmentChecker, AlignmentState
+from epp.kvindex.events import BlockStored, WireError, decode_batch
 from epp.kvindex.hashing import EngineHasher
 from epp.kvindex.index import PrefixIndex, bits
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
-from epp.sources.kv_wire import BlockStored, WireError, decode_batch
 from tests.fuzzing import examples
 from tests.testdata import load_json
 
@@ -316,7 +316,8 @@ def encode(op: Op, shape: str, how: str) -> Any:
 
 
 def model_apply(model: dict[str, set[int]], op: Op) -> None:
-    """What vLLM's events mean for the index (DESIGN §4, epp/kvindex/ingest.py)."""
+    """What vLLM's events mean for the index (docs/architecture.md, "vLLM's KV
+    events"; epp/kvindex/ingest.py)."""
     if op.kind == "cleared":
         for keys in model.values():
             keys.clear()

@@ -1,0 +1,225 @@
+"""Step 3 of loading a config: build it.
+
+Contract: `build(complete, resources)` builds every plugin of a `CompleteConfig`
+as `plugin_class(parameters, context)` (the file's first, in its order, then the
+defaults), hands each data source its extractors, has the profile handler check
+the profiles, and assembles the `SchedulingConfig` the director runs. Or it
+raises `Rejected` with what failed: a constructor refusing its parameters, a
+source refusing an extractor the file gives it, the handler refusing the
+profiles. It adds nothing the document does not say, with one exception the
+document spells out: the default metrics source, which only the built plugins can
+tell is needed (`IfMetricsRead`).
+
+Building starts no I/O (`epp validate` builds too). A plugin class that declares
+a service (its `Service` attribute) gets it built here, from the plugin's own
+parameters, before the plugin itself; the server runs the config's services once
+the whole config is built (epp/reload.py) and the plugins only read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from epp.clock import SYSTEM_CLOCK, Clock
+from epp.config.document import CompleteConfig, PluginDecl
+from epp.config.errors import Problems
+from epp.datastore import Datastore
+from epp.scheduling.interfaces import (
+    METRICS,
+    Admitter,
+    DataExtractor,
+    DataProducer,
+    DataSource,
+    DescribesEndpoints,
+    PluginContext,
+    PostResponse,
+    PreRequest,
+    ProfileHandler,
+    SaturationDetector,
+    ServerSettings,
+    Service,
+    ServiceContext,
+    ServiceFactory,
+)
+from epp.scheduling.scheduler import Scheduler, SchedulerProfile, Slot, WeightedScorer
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """Everything the director runs, built from one valid config file."""
+
+    scheduler: Scheduler
+    data_producers: tuple[Slot[DataProducer], ...]
+    pre_request: tuple[Slot[PreRequest], ...]
+    post_response: tuple[Slot[PostResponse], ...]
+    plugins: Mapping[str, object] = field(default_factory=dict)
+    # Admission: sheddable requests (negative priority) are shed while the detector
+    # says the pool is saturated; then every admitter may refuse a request.
+    saturation_detector: Slot[SaturationDetector] | None = None
+    admitters: tuple[Slot[Admitter], ...] = ()
+    # Objective name (x-gateway-inference-objective) -> priority.
+    objectives: Mapping[str, int] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    # The plugins' services, by the name of the plugin that declared each: the
+    # server runs them while this config is in use.
+    services: Mapping[str, Service] = field(default_factory=dict)
+
+    def endpoint_describers(self) -> list[DescribesEndpoints]:
+        """The services and plugins with facts for /debug/endpoints, services first."""
+        found: list[DescribesEndpoints] = list(self.services.values())
+        found += [p for p in self.plugins.values() if isinstance(p, DescribesEndpoints)]
+        return found
+
+
+ObserveFactory = Callable[[str, str, str], Callable[[float], None]]
+"""(extension point, plugin type, plugin name) -> a duration recorder."""
+
+
+def no_observe(extension_point: str, type_name: str, name: str) -> Callable[[float], None]:
+    return lambda seconds: None
+
+
+@dataclass(frozen=True)
+class BuildResources:
+    """What the plugins of one config share with the server."""
+
+    datastore: Datastore
+    metrics: CollectorRegistry  # the config's own registry for its plugins' metrics
+    observe: ObserveFactory
+    settings: ServerSettings
+    clock: Clock = SYSTEM_CLOCK
+
+
+def build(config: CompleteConfig, resources: BuildResources) -> SchedulingConfig:
+    """The running configuration, or `Rejected`."""
+    problems = Problems()
+    plugins = _Plugins(resources, problems)
+    for decl in config.plugins:
+        plugins.build(decl)
+    problems.stop_if_any()
+
+    extractions = list(config.extractions)
+    maybe = config.if_metrics_read
+    if maybe is not None and plugins.read_metrics():
+        problems.extend(maybe.problems)
+        if maybe.plugin is not None:
+            plugins.build(maybe.plugin)
+            extractions += maybe.extractions
+    for decl in config.defaults:
+        plugins.build(decl)
+    problems.stop_if_any()
+
+    for extraction in extractions:
+        source = plugins.built.get(extraction.source)
+        extractor = plugins.built.get(extraction.extractor)
+        assert isinstance(source, DataSource)
+        assert isinstance(extractor, DataExtractor)
+        try:
+            source.add_extractor(extractor)
+        except ValueError as exc:
+            # An implied offer the source refuses is simply not for it.
+            if extraction.path is not None:
+                problems.add(extraction.path, str(exc))
+    problems.stop_if_any()
+
+    detector = (
+        plugins.slot("saturation_detector", config.saturation_detector)
+        if config.saturation_detector is not None
+        else None
+    )
+    profiles = {
+        p.name: SchedulerProfile(
+            p.name,
+            tuple(plugins.slot("filter", name) for name in p.filters),
+            tuple(WeightedScorer(plugins.slot("scorer", name), w) for name, w in p.scorers),
+            plugins.slot("picker", p.picker),
+        )
+        for p in config.profiles
+    }
+    handler = plugins.built[config.profile_handler]
+    assert isinstance(handler, ProfileHandler)
+    try:
+        handler.check_profiles(tuple(profiles))
+    except ValueError as exc:
+        problems.add(("schedulingProfiles",), f"profile handler {config.profile_handler!r}: {exc}")
+    problems.stop_if_any()
+
+    return SchedulingConfig(
+        scheduler=Scheduler(profiles, plugins.slot("profile_handler", config.profile_handler)),
+        data_producers=plugins.slots("data_producer", DataProducer),
+        pre_request=plugins.slots("pre_request", PreRequest),
+        post_response=plugins.slots("post_response", PostResponse),
+        plugins=plugins.built,
+        saturation_detector=detector,
+        admitters=plugins.slots("admitter", Admitter),
+        objectives=config.objectives,
+        warnings=config.warnings,
+        services=plugins.services,
+    )
+
+
+class _Plugins:
+    """The plugins of one config, built one by one: each sees those built before it."""
+
+    def __init__(self, resources: BuildResources, problems: Problems) -> None:
+        self.resources = resources
+        self.problems = problems
+        self.decls: dict[str, PluginDecl] = {}
+        self.built: dict[str, object] = {}
+        self.services: dict[str, Service] = {}
+
+    def build(self, decl: PluginDecl) -> None:
+        r = self.resources
+        try:
+            service = self._service(decl)
+            context = PluginContext(
+                name=decl.name,
+                type_name=decl.type_name,
+                datastore=r.datastore,
+                metrics=r.metrics,
+                plugins=dict(self.built),
+                settings=r.settings,
+                clock=r.clock,
+                service=service,
+            )
+            plugin = decl.plugin_class(decl.parameters, context)
+        except Exception as exc:
+            self.problems.add(decl.path, f"cannot build plugin {decl.name!r}: {exc}")
+            return
+        if service is not None:
+            self.services[decl.name] = service
+            collector = service.collector()
+            if collector is not None:
+                r.metrics.register(collector)
+        self.decls[decl.name] = decl
+        self.built[decl.name] = plugin
+
+    def _service(self, decl: PluginDecl) -> Service | None:
+        """The service the plugin's class declares, built from its parameters."""
+        factory: ServiceFactory | None = getattr(decl.plugin_class, "Service", None)
+        if factory is None:
+            return None
+        r = self.resources
+        context = ServiceContext(decl.name, r.datastore, r.settings, r.clock)
+        return factory(decl.parameters, context)
+
+    def read_metrics(self) -> bool:
+        """Whether a plugin built so far reads the model-server metrics."""
+        return any(METRICS in getattr(p, "consumes", ()) for p in self.built.values())
+
+    def slot(self, extension_point: str, name: str) -> Slot[Any]:
+        type_name = self.decls[name].type_name
+        observe = self.resources.observe(extension_point, type_name, name)
+        return Slot(name, type_name, self.built[name], observe)
+
+    def slots(self, extension_point: str, interface: type) -> tuple[Slot[Any], ...]:
+        """A slot for each plugin implementing `interface`, in build order."""
+        return tuple(
+            self.slot(extension_point, name)
+            for name, decl in self.decls.items()
+            if decl.does(interface)
+        )

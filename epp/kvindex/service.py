@@ -1,0 +1,449 @@
+"""The precise prefix service: one owner for the index of what every engine caches,
+the KV-event feed that keeps it, and the tokenizers and block hashing that read it.
+
+Built once per configured precise prefix producer (by the config's build step, not
+by a plugin), started and stopped by the server, read by plugins:
+
+    KV events (ZMQ, per endpoint and DP rank) --> KVEventSubscriber --> PreciseIndex
+                                                          (or `feed`, for tests and the lab)
+    request --> lookup_request: tokenize as the engine will, hash, walk the index
+            --> PromptMatch: per candidate endpoint, the share of the prompt it holds
+    the pick --> record_pick: speculative entries until the engine's events arrive
+
+Who may mutate what: the subscriber (or `feed`) writes the index; `record_pick`
+writes speculative entries; lookups only read. Everything runs on one event loop;
+tokenizing a long prompt goes to the tokenizers' worker threads.
+
+Time comes from the `clock` it is given (speculative entries' TTL), so the same
+service runs on the wall clock and in a simulation's virtual time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from prometheus_client.registry import Collector
+
+from epp.clock import SYSTEM_CLOCK, Clock
+from epp.datastore import Datastore, Endpoint
+from epp.durations import Duration, parse_duration
+from epp.kvindex.alignment import AlignmentChecker
+from epp.kvindex.events import EventBatch
+from epp.kvindex.hashing import (
+    DEFAULT_HASH_SEED,
+    DEFAULT_MEMO_BLOCKS,
+    EngineHasher,
+    HashContext,
+    PromptBlocks,
+)
+from epp.kvindex.index import PrefixIndex
+from epp.kvindex.ingest import PreciseIndex, StreamIndex
+from epp.kvindex.lookup import PrefixMatch, longest_prefix
+from epp.kvindex.speculative import SpeculativeIndex
+from epp.kvindex.subscriber import KVEventSubscriber, SubscriberSettings
+from epp.kvindex.telemetry import PrecisePrefixCollector
+from epp.logs import LogOnce
+from epp.requests import InferenceRequest
+from epp.tokenization.models import LoraAdapter, TokenizerRegistry, TokenizerSource
+from epp.tokenization.prompts import Unsupported, prompt_tokens, token_id_prompt
+
+log = logging.getLogger(__name__)
+
+_Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    # SUB topic prefix; vLLM publishes with an empty topic unless told otherwise.
+    topic_filter: str = ""
+    # Accepted for llm-d compatibility and not needed: each stream is its own task
+    # on the event loop, applied in order.
+    concurrency: _Positive = 4
+    # Recover lost batches (and an engine's state when joining late) through the
+    # engine's replay socket (`kvEventsReplay`, or `replayPort`).
+    replay: bool = True
+    # Data-parallel ranks per endpoint: rank r publishes on port + r.
+    dp_size: _Positive = 1
+    # For endpoints without `kvEvents` (Kubernetes pods): the engine's ports.
+    socket_port: _Port | None = None
+    replay_port: _Port | None = None
+    replay_timeout: Duration = "2s"
+    reconnect_interval: Duration = "100ms"
+    reconnect_interval_max: Duration = "5s"
+
+
+class TokenizerConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    model: str = "*"  # the request's model this tokenizer is for; "*" = any other
+    path: str | None = None  # a directory with tokenizer.json (+ tokenizer_config.json)
+    hugging_face: str | None = None  # or a Hub model id, fetched at start-up
+    revision: str | None = None
+
+
+class LoraAdapterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    name: str
+    base_model: str
+    path: str | None = None  # the adapter's path as the engine loaded it
+
+
+class PrecisePrefixConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """The service's settings: `precise-prefix-cache-scorer`'s parameters
+    (docs/precise-prefix.md has them all)."""
+
+    # The engine's --block-size (the hash block size).
+    block_size: _Positive = 16
+    # The engine's NONE_HASH seed: its PYTHONHASHSEED, or vLLM's default.
+    hash_seed: str = DEFAULT_HASH_SEED
+    # The engine's --prefix-caching-hash-algo.
+    hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256"
+    # cache_salt / LoRA in the hashes: "tagged" = vLLM >= 0.31, "plain" = 0.12 - 0.30.
+    extra_keys_format: Literal["tagged", "plain"] = "tagged"
+    kv_events_config: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
+    speculative_indexing: bool = False
+    speculative_ttl: Duration = msgspec.field(default="2s", name="speculativeTTL")
+    tokenizers: list[TokenizerConfig] = []
+    tokenizers_cache_dir: str | None = None
+    hugging_face_offline: bool = False
+    lora_adapters: list[LoraAdapterConfig] = []
+    # "error": a configured tokenizer directory that does not exist stops the start;
+    # "fallback": its model gets no precise score (logged, and in /debug/endpoints).
+    on_missing_tokenizer: Literal["error", "fallback"] = "error"
+    # Bound of the index in (block, endpoint) entries; about 100 bytes each.
+    max_index_entries: _Positive = 2_000_000
+    medium_weights: dict[str, float] = msgspec.field(
+        default_factory=lambda: {"gpu": 1.0, "cpu": 0.8}
+    )
+    alignment_check: bool = True
+    alignment_sample_every: _Positive = 32
+    tokenizer_cache_bytes: _Positive = 64 * 1024 * 1024
+    # Uncached text longer than this is tokenized in a worker thread.
+    inline_tokenize_chars: Annotated[int, msgspec.Meta(ge=0)] = 2_000
+    tokenizer_workers: _Positive = 2
+    # Recent blocks whose hash is remembered (a repeated prefix costs a lookup).
+    hash_cache_blocks: _Positive = DEFAULT_MEMO_BLOCKS
+    # Only a prompt's first blocks are hashed and matched (GIE's names): bounds the
+    # work a very long prompt costs at pick time. 8192 blocks of 16 tokens are
+    # 131,072 tokens. maxPrefixTokensToMatch, when set, wins (as tokens // blockSize
+    # blocks, at least one). 0: no cap.
+    max_prefix_blocks_to_match: Annotated[int, msgspec.Meta(ge=0)] = 8192
+    max_prefix_tokens_to_match: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+@dataclass(slots=True)
+class PromptMatch:
+    """One prompt looked up: how much of it each candidate endpoint holds."""
+
+    match: PrefixMatch
+    blocks: PromptBlocks
+    # endpoint -> the index slots (one per DP rank) its score is read from
+    slots: dict[Endpoint, tuple[int, ...]]
+    prompt_blocks: int  # the prompt's full blocks
+    considered_blocks: int  # of which the first this many were matched (the cap)
+
+    def score(self, endpoint: Endpoint) -> float:
+        """The share of the considered blocks `endpoint` holds from the first one,
+        weighted by medium, in [0, 1]; 0 for an endpoint without (trusted) events."""
+        owned = self.slots.get(endpoint)
+        if not owned:
+            return 0.0
+        match = self.match
+        return max(match.score(slot) for slot in owned)
+
+    def matched_blocks(self, endpoint: Endpoint) -> int:
+        """Consecutive blocks from the first that `endpoint` holds (unweighted)."""
+        owned = self.slots.get(endpoint, ())
+        return max((self.match.blocks.get(slot, 0) for slot in owned), default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class NoLookup:
+    """The prompt could not be looked up: every endpoint scores 0 for it."""
+
+    reason: str  # a metric label: no_tokenizer, tokenizer_loading, lora_path_unknown, ...
+    detail: str
+
+
+@dataclass
+class LookupStats:
+    lookups: int = 0
+    hits: int = 0  # some candidate held at least the first block
+    request_blocks: int = 0
+    matched_blocks: int = 0  # of the best candidate
+    speculative_extensions: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> lookups not done
+
+
+_TOKENIZER_REASONS = {
+    "no-tokenizer": "no_tokenizer",
+    "loading": "tokenizer_loading",
+    "failed": "tokenizer_failed",
+}
+
+
+class PrecisePrefixService:
+    def __init__(
+        self,
+        config: PrecisePrefixConfig,
+        datastore: Datastore,
+        *,
+        name: str = "precise-prefix",
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        """Checks `config` and builds everything; starts nothing (`run` does).
+        Raises ValueError for a config that cannot work."""
+        self.name = name
+        self.config = config
+        weights = {k.lower(): v for k, v in config.medium_weights.items()}
+        if not weights or any(not 0 < w <= 1 for w in weights.values()):
+            raise ValueError("mediumWeights: every weight must be in (0, 1]")
+        for tokenizer in config.tokenizers:
+            if (tokenizer.path is None) == (tokenizer.hugging_face is None):
+                raise ValueError(
+                    f"tokenizers: model {tokenizer.model!r} needs exactly one of path and"
+                    " huggingFace"
+                )
+        self.hasher = EngineHasher(
+            config.hash_algo,
+            config.hash_seed,
+            config.block_size,
+            config.extra_keys_format,
+            memo_blocks=config.hash_cache_blocks,
+        )
+        lora_paths = {a.name: a.path for a in config.lora_adapters if a.path is not None}
+        self.speculative = (
+            SpeculativeIndex(parse_duration(config.speculative_ttl), clock=clock)
+            if config.speculative_indexing
+            else None
+        )
+        self.precise = PreciseIndex(
+            PrefixIndex(config.max_index_entries, weights),
+            self.hasher,
+            AlignmentChecker(self.hasher, lora_paths, sample_every=config.alignment_sample_every)
+            if config.alignment_check
+            else None,
+            self.speculative,
+        )
+        events = config.kv_events_config
+        self.subscriber = KVEventSubscriber(
+            datastore,
+            self.precise,
+            SubscriberSettings(
+                topic=events.topic_filter,
+                replay=events.replay,
+                dp_size=events.dp_size,
+                port=events.socket_port,
+                replay_port=events.replay_port,
+                replay_timeout_s=parse_duration(events.replay_timeout),
+                reconnect_interval_s=parse_duration(events.reconnect_interval),
+                reconnect_interval_max_s=parse_duration(events.reconnect_interval_max),
+            ),
+        )
+        self.tokenizers = TokenizerRegistry(
+            [
+                TokenizerSource(t.model, t.path, t.hugging_face, t.revision)
+                for t in config.tokenizers
+            ],
+            [LoraAdapter(a.name, a.base_model, a.path) for a in config.lora_adapters],
+            cache_dir=config.tokenizers_cache_dir,
+            offline=config.hugging_face_offline,
+            workers=config.tokenizer_workers,
+            tokenizer_options={
+                "cache_bytes": config.tokenizer_cache_bytes,
+                "inline_chars": config.inline_tokenize_chars,
+            },
+        )
+        missing = self.tokenizers.missing_directories()
+        if missing and config.on_missing_tokenizer == "error":
+            raise ValueError(
+                "tokenizers: " + "; ".join(missing) + " (onMissingTokenizer: fallback routes"
+                " those models without a precise score instead)"
+            )
+        for problem in missing:
+            log.warning("%s: %s; its requests get no precise prefix score", name, problem)
+        if not config.tokenizers:
+            log.warning(
+                "%s: no tokenizers configured: only prompts sent as token ids get a precise"
+                " prefix score",
+                name,
+            )
+        if config.max_prefix_tokens_to_match > 0:
+            self.max_blocks = max(1, config.max_prefix_tokens_to_match // config.block_size)
+        else:
+            self.max_blocks = config.max_prefix_blocks_to_match
+        self.stats = LookupStats()
+        self._log_once = LogOnce(log)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow every endpoint's KV events, load the tokenizers and keep the index
+        swept, until cancelled."""
+        tasks = [
+            asyncio.create_task(self.subscriber.run(), name=f"{self.name}: kv-events"),
+            asyncio.create_task(self.precise.run_sweeper(), name=f"{self.name}: sweeper"),
+            asyncio.create_task(self.tokenizers.load(), name=f"{self.name}: tokenizers"),
+        ]
+        try:
+            # The tokenizer loader ends once all are loaded; the others run on.
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self.tokenizers.close()
+
+    # -- the write side, for tests and simulations -------------------------------------
+
+    def feed(self, endpoint: Endpoint, batch: EventBatch, rank: int = 0) -> StreamIndex:
+        """Apply a decoded KV-event batch of `endpoint` (DP rank `rank`) as the
+        subscriber would, without a socket: the ingestion is the real one."""
+        for stream in self.precise.streams(endpoint):
+            if stream.rank == rank:
+                break
+        else:
+            stream = self.precise.add_stream(endpoint, rank)
+        stream.apply(batch)
+        return stream
+
+    # -- the read side -------------------------------------------------------------------
+
+    async def lookup_request(
+        self, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> PromptMatch | NoLookup | None:
+        """Tokenize the request's prompt as the engine will and look it up for
+        `endpoints`; None for a request without a prompt."""
+        if request.prompt is None:
+            return None
+        model = request.target_model or request.model
+        resolution = self.tokenizers.resolve(model)
+        adapter = resolution.adapter
+        context = HashContext(
+            cache_salt=request.cache_salt,
+            lora_name=adapter.name if adapter is not None else None,
+            lora_path=adapter.path if adapter is not None else None,
+        )
+        if not context.hashable(self.hasher.extra_keys_format):
+            return self._skip(
+                "lora_path_unknown",
+                model,
+                "vLLM >= 0.31 hashes a LoRA adapter's path, which KV events do not carry:"
+                " give its path in loraAdapters",
+            )
+        try:
+            data = token_id_prompt(request)
+            if data is None:
+                tokenizer = resolution.tokenizer
+                if tokenizer is None:
+                    reason = resolution.reason or "no-tokenizer"
+                    return self._skip(
+                        _TOKENIZER_REASONS.get(reason, "no_tokenizer"),
+                        model,
+                        "no tokenizer is configured for it (add it to tokenizers, or a '*' entry)"
+                        if reason == "no-tokenizer"
+                        else f"its tokenizer is {reason} (see the tokenizers in /debug/endpoints)",
+                    )
+                data = await prompt_tokens(request, tokenizer, self.tokenizers.executor)
+        except Unsupported as exc:
+            return self._skip(exc.reason, model, str(exc))
+        return self.lookup(data, context, endpoints)
+
+    def lookup(
+        self, data: bytes, context: HashContext, endpoints: Sequence[Endpoint]
+    ) -> PromptMatch:
+        """Walk the prompt's token bytes over the index for `endpoints` (synchronous:
+        the index cannot change during the walk)."""
+        precise = self.precise
+        slots: dict[Endpoint, tuple[int, ...]] = {}
+        candidates = 0
+        for endpoint in endpoints:
+            streams = precise.streams(endpoint)
+            if streams and precise.trusted(endpoint):
+                owned = tuple(s.slot for s in streams)
+                slots[endpoint] = owned
+                for slot in owned:
+                    candidates |= 1 << slot
+        block_bytes = self.hasher.block_bytes
+        prompt_blocks = len(data) // block_bytes
+        considered = prompt_blocks
+        if self.max_blocks and prompt_blocks > self.max_blocks:
+            # Only the first blocks count, for the match and for the score's
+            # denominator alike: a pod holding all of them scores 1.
+            considered = self.max_blocks
+            data = data[: considered * block_bytes]
+        blocks = self.hasher.prompt(data, context)
+        match = longest_prefix(precise.index, blocks, candidates, self.speculative)
+        stats = self.stats
+        stats.lookups += 1
+        stats.request_blocks += match.n_blocks
+        best = max(match.blocks.values(), default=0)
+        stats.matched_blocks += best
+        stats.speculative_extensions += match.speculative_hits
+        if best:
+            stats.hits += 1
+        return PromptMatch(match, blocks, slots, prompt_blocks, considered)
+
+    def record_pick(self, found: PromptMatch, endpoint: Endpoint) -> None:
+        """The request went to `endpoint`: with speculative indexing, its prompt's
+        blocks count as held there until the engine's own events arrive."""
+        speculative = self.speculative
+        match = found.match
+        if speculative is None or not match.n_blocks:
+            return
+        streams = self.precise.streams(endpoint)
+        if not streams:
+            return
+        stop = match.stop
+        keys = match.keys
+        anchor = keys[stop] if stop < match.n_blocks and stop < len(keys) else None
+        bb = found.blocks.block_bytes
+        speculative.record(
+            [s.slot for s in streams],
+            keys[:stop],
+            anchor,
+            found.blocks.data,
+            stop * bb,
+            match.n_blocks * bb,
+        )
+
+    def _skip(self, reason: str, model: str, detail: str) -> NoLookup:
+        skipped = self.stats.skipped
+        skipped[reason] = skipped.get(reason, 0) + 1
+        self._log_once(
+            (reason, model),
+            logging.WARNING,
+            "%s: requests for model %r get no precise prefix score: %s",
+            self.name,
+            model,
+            detail,
+        )
+        return NoLookup(reason, detail)
+
+    # -- observability --------------------------------------------------------------------
+
+    def collector(self) -> Collector:
+        return PrecisePrefixCollector(self)
+
+    def describe_endpoint(self, endpoint: Endpoint) -> dict[str, Any]:
+        """The endpoint's `index` entry in /debug/endpoints (empty without events)."""
+        subscription = self.subscriber.describe(endpoint)
+        if subscription is None:
+            return {}
+        index = self.precise.describe(endpoint)
+        info: dict[str, Any] = {
+            "blocks": index.pop("blocks"),
+            "lastSeq": subscription.pop("lastSeq"),
+            "eventsApplied": index.pop("eventsApplied"),
+            "gaps": subscription.pop("gaps"),
+            "replays": subscription.pop("replays"),
+        }
+        info.update(index)
+        info.update(subscription)
+        info["tokenizers"] = self.tokenizers.describe()
+        return {"index": info}
