@@ -35,10 +35,12 @@ from epp.scheduling import (
     CycleState,
     InferenceRequest,
     PluginContext,
+    PrefixMatchInfo,
     SchedulingResult,
     ServiceContext,
     StateKey,
     explain_note,
+    prefix_match_key,
 )
 
 
@@ -78,6 +80,16 @@ class PrecisePrefixCacheScorer:
             },
         )
         cycle.put(self._match, found)
+        # The same match as llm-d's PrefixCacheMatchInfo, for `prefix-cache-scorer`
+        # with `prefixMatchInfoProducerName: <this plugin's name>`.
+        cycle.put(
+            prefix_match_key(self.name),
+            PrefixMatchInfo(
+                found.considered_blocks,
+                self.service.config.block_size,
+                {e: found.score(e) * found.considered_blocks for e in found.slots},
+            ),
+        )
 
     # -- Scorer ---------------------------------------------------------------------------
 

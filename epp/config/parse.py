@@ -47,7 +47,13 @@ from epp.scheduling.interfaces import (
 )
 from epp.scheduling.registry import PluginRegistry, UnknownPluginType
 
-API_VERSIONS: Final = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
+# GIE's, and llm-d-router's (where GIE's EPP now lives: v1alpha1, and v1 in its
+# newer configs).
+API_VERSIONS: Final = (
+    "inference.networking.x-k8s.io/v1alpha1",
+    "llm-d.ai/v1alpha1",
+    "llm-d.ai/v1",
+)
 KIND: Final = "EndpointPickerConfig"
 
 # Sections of GIE's schema this EPP accepts but does not act on: a config written

@@ -31,6 +31,7 @@ from epp.scheduling.types import (
     NEUTRAL_SCORE,
     PRIORITY,
     CycleState,
+    PrefixMatchInfo,
     ProfileResult,
     ResponseInfo,
     SchedulingResult,
@@ -39,6 +40,7 @@ from epp.scheduling.types import (
     Usage,
     explain_note,
     fewer_is_better,
+    prefix_match_key,
 )
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "PluginContext",
     "PostResponse",
     "PreRequest",
+    "PrefixMatchInfo",
     "ProfileHandler",
     "ProfileResult",
     "ResponseInfo",
@@ -76,4 +79,5 @@ __all__ = [
     "Usage",
     "explain_note",
     "fewer_is_better",
+    "prefix_match_key",
 ]

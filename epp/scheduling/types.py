@@ -12,7 +12,9 @@ T = TypeVar("T")
 
 
 class StateKey(Generic[T]):
-    """A typed key into `CycleState`: `TOKENS = StateKey[list[int]]("tokens")`."""
+    """A typed key into `CycleState`: `TOKENS = StateKey[list[int]]("tokens")`.
+    Keys are equal when their names are: a producer and the plugins that read it
+    agree on a name (`prefix_match_key`), not on an object."""
 
     __slots__ = ("name",)
 
@@ -21,6 +23,12 @@ class StateKey(Generic[T]):
 
     def __repr__(self) -> str:
         return f"StateKey({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StateKey) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
 
 class CycleState:
@@ -118,6 +126,33 @@ class ResponseInfo:
     status: int | None = None  # HTTP status of the response; None if none was seen
     usage: Usage | None = None
     duration_s: float = 0.0  # from the pick to the end of the response
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatchInfo:
+    """What a prefix-cache producer found for one request (llm-d's
+    PrefixCacheMatchInfo): the prompt's blocks, and for each candidate endpoint how
+    many of its leading blocks the endpoint holds.
+
+    `matched` may be fractional: the precise producer weights a block by the best
+    medium it is held in (GPU 1.0, CPU 0.8, ...). An endpoint missing from it holds
+    none. A request without a prompt has `total_blocks` 0."""
+
+    total_blocks: int
+    block_size_tokens: int
+    matched: Mapping[Endpoint, float]
+
+    def ratio(self, endpoint: Endpoint) -> float:
+        """The share of the prompt's blocks `endpoint` holds from the first, in [0, 1]."""
+        if self.total_blocks <= 0:
+            return 0.0
+        return min(1.0, self.matched.get(endpoint, 0.0) / self.total_blocks)
+
+
+def prefix_match_key(producer: str) -> StateKey[PrefixMatchInfo]:
+    """Where the producer named `producer` leaves a request's `PrefixMatchInfo`
+    (llm-d's data key `PrefixCacheMatchInfo/<producer>`)."""
+    return StateKey(f"PrefixCacheMatchInfo/{producer}")
 
 
 NEUTRAL_SCORE: Final = 0.5

@@ -187,9 +187,9 @@ async def test_explain_does_not_update_the_approximate_index_but_routing_does(
         async with epp.http.post(f"{epp.admin_url}/debug/explain", json=query) as response:
             explained = await response.json()
         assert {c["scores"]["prefix-cache-scorer"] for c in explained["candidates"]} == {0.0}
-    assert plugin.index.size == 0
+    assert plugin.own.index.size == 0
     routed = await ec.route(epp.stream(), json.dumps(body).encode())
-    assert plugin.index.size > 0
+    assert plugin.own.index.size > 0
     async with epp.http.post(f"{epp.admin_url}/debug/explain", json=query) as response:
         explained = await response.json()
     assert explained["picked"] == [routed.destination]
@@ -197,7 +197,7 @@ async def test_explain_does_not_update_the_approximate_index_but_routing_does(
     assert best["address"] == routed.destination
     assert best["scores"]["prefix-cache-scorer"] == 1.0
     facts = {e["address"]: e["approxPrefixIndex"]["blocks"] for e in await epp.debug_endpoints()}
-    assert facts[routed.destination] == plugin.index.size
+    assert facts[routed.destination] == plugin.own.index.size
 
 
 APPROX = """\

@@ -13,6 +13,7 @@ from epp.datastore import Datastore, EndpointMetrics, EndpointSpec
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling import CycleState, PluginContext, SchedulingResult
 from epp.scheduling.types import ProfileResult, ScoredEndpoint
+from plugins.approx_prefix_cache_producer import ApproxPrefixCacheProducer
 from plugins.prefix_cache_scorer import PrefixCacheScorer
 from tests.plugins.helpers import make_endpoints
 
@@ -75,7 +76,7 @@ def test_scoring_alone_changes_nothing() -> None:
     (a,) = make_endpoints(1)
     for _ in range(3):
         plugin.score(request("hello " * 50), CycleState(), [a])
-    assert plugin.index.size == 0
+    assert plugin.own.index.size == 0
 
 
 def test_salts_do_not_share_affinity() -> None:
@@ -91,7 +92,7 @@ def test_capacity_bounds_the_index_and_evictions_are_counted() -> None:
     (a,) = make_endpoints(1)
     for i in range(5):
         pick(plugin, request(f"{i}" * 40), [a], a)  # 10 blocks each
-    assert plugin.index.blocks_of(a) == 10
+    assert plugin.own.index.blocks_of(a) == 10
     assert (
         registry.get_sample_value("epp_approx_prefix_index_evictions_total", {"plugin": "prefix"})
         == 40
@@ -104,11 +105,11 @@ def test_auto_tune_reads_block_size_and_capacity_from_cache_info() -> None:
     now = time.monotonic()
     for e in (a, b):
         e.metrics = EndpointMetrics(block_size=8, num_gpu_blocks=3, updated_at=now)
-    assert plugin.block_size([a, b], now) == 8
+    assert plugin.own.block_size([a, b], now) == 8
     pick(plugin, request("z" * 32 * 10), [a, b], a)  # 32 characters per block
-    assert plugin.index.blocks_of(a) == 3  # num_gpu_blocks
+    assert plugin.own.index.blocks_of(a) == 3  # num_gpu_blocks
     b.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=3, updated_at=now)
-    assert plugin.block_size([a, b], now) == 4  # disagreement: the configured size
+    assert plugin.own.block_size([a, b], now) == 4  # disagreement: the configured size
 
 
 def test_removed_endpoints_leave_the_index() -> None:
@@ -117,11 +118,74 @@ def test_removed_endpoints_leave_the_index() -> None:
     a = datastore.get("a")
     assert a is not None
     pick(plugin, request("r" * 200), [a], a)
-    assert plugin.index.size > 0
+    assert plugin.own.index.size > 0
     datastore.replace_all([])
-    assert plugin.index.size == 0
+    assert plugin.own.index.size == 0
 
 
 def test_old_character_block_size_is_refused() -> None:
     with pytest.raises(ValueError, match="blockSizeTokens"):
         build(blockSize=64)
+
+
+# -- reading a producer (llm-d's shape) --------------------------------------------------
+
+
+def producer(**params: object) -> ApproxPrefixCacheProducer:
+    return ApproxPrefixCacheProducer(
+        msgspec.convert(params, ApproxPrefixCacheProducer.Parameters),
+        PluginContext(
+            "approx", "approx-prefix-cache-producer", Datastore(), CollectorRegistry(), {}
+        ),
+    )
+
+
+async def test_the_scorer_reads_the_named_producers_match() -> None:
+    source = producer(autoTune=False)  # blocks of 64 tokens: 256 characters
+    scorer, _, _ = build(prefixMatchInfoProducerName="approx")
+    a, b = make_endpoints(2)
+    prompt = "x" * (256 * 4)  # 4 blocks
+    cycle = CycleState()
+    await source.prepare(request(prompt), cycle, [a, b])
+    source.pre_request(request(prompt), cycle, routed(a))  # a now holds all 4
+    assert source.matcher.index.blocks_of(a) == 4
+    half = prompt[: 256 * 2] + "y" * (256 * 2)  # shares 2 leading blocks with a
+    cycle = CycleState()
+    await source.prepare(request(half), cycle, [a, b])
+    assert scorer.score(request(half), cycle, [a, b]) == {a: 0.5, b: 0.0}
+    # The scorer keeps no index and learns nothing.
+    scorer.pre_request(request(half), cycle, routed(b))
+    assert source.matcher.index.blocks_of(b) == 0
+
+
+async def test_the_match_length_weight_rewards_long_matches() -> None:
+    source = producer(autoTune=False)
+    scorer, _, _ = build(
+        prefixMatchInfoProducerName="approx", matchLengthWeight=0.5, matchLengthScaleTokens=512
+    )
+    (a,) = make_endpoints(1)
+    prompt = "x" * (256 * 4)
+    cycle = CycleState()
+    await source.prepare(request(prompt), cycle, [a])
+    source.pre_request(request(prompt), cycle, routed(a))
+    cycle = CycleState()
+    await source.prepare(request(prompt[: 256 * 2]), cycle, [a])  # 2 blocks, both held
+    # ratio 2/2 = 1; length min(1, 2 x 64 / 512)^2 = 1/16
+    assert scorer.score(request(prompt[: 256 * 2]), cycle, [a]) == {a: 0.5 / 16 + 0.5}
+
+
+def test_without_the_producers_match_every_endpoint_scores_zero() -> None:
+    scorer, _, _ = build(prefixMatchInfoProducerName="nobody")
+    a, b = make_endpoints(2)
+    assert scorer.score(request("hello"), CycleState(), [a, b]) == {a: 0.0, b: 0.0}
+
+
+def test_own_index_parameters_with_a_producer_name_are_refused() -> None:
+    with pytest.raises(ValueError, match="blockSizeTokens, lruCapacityPerServer: these set this"):
+        build(prefixMatchInfoProducerName="approx", blockSizeTokens=8, lruCapacityPerServer=9)
+
+
+def test_the_llm_d_producer_raises_short_blocks_to_64_tokens() -> None:
+    source = producer(autoTune=False, blockSizeTokens=16)
+    assert source.matcher.block_size([], 0.0) == 64
+    assert producer(autoTune=False, blockSize=128).matcher.block_size([], 0.0) == 128

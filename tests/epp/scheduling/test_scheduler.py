@@ -369,7 +369,8 @@ def test_profile_weight_sum() -> None:
 
 def test_cycle_state_typed_keys() -> None:
     tokens: StateKey[list[int]] = StateKey("tokens")
-    other_tokens: StateKey[list[int]] = StateKey("tokens")
+    same_name: StateKey[list[int]] = StateKey("tokens")
+    other_tokens: StateKey[list[int]] = StateKey("other-tokens")
     cycle = CycleState()
     assert cycle.get(tokens) is None
     assert tokens not in cycle
@@ -377,7 +378,8 @@ def test_cycle_state_typed_keys() -> None:
     cycle.put(tokens, value)
     assert tokens in cycle
     assert cycle.get(tokens) is value
-    # Keys are objects: a key with the same name is a different entry.
+    # Keys are names: a producer and its readers meet on one (prefix_match_key).
+    assert cycle.get(same_name) is value
     assert other_tokens not in cycle
     assert cycle.get(other_tokens) is None
     cycle.put(tokens, [4])
