@@ -27,7 +27,7 @@ RUN python -m venv /opt/protoc \
 # The runtime environment. The pinned dependencies first, in their own layer, so a
 # code change does not reinstall them.
 RUN python -m venv /opt/epp
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && /opt/epp/bin/pip install -r /tmp/requirements.txt
@@ -35,9 +35,8 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY protos/ protos/
 COPY epp/ epp/
 COPY plugins/ plugins/
-COPY sim/ sim/
 # Generates epp/_proto/ (never committed), then installs the package with its
-# built-in plugins' entry points; pip compiles the bytecode here, because nothing
+# built-in plugins (plugins/, installed as epp.plugins) and their entry points; pip compiles the bytecode here, because nothing
 # can write it at run time.
 RUN /opt/protoc/bin/python protos/generate.py \
     && /opt/epp/bin/pip install --no-deps . \

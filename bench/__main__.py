@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 throughput_requests=args.throughput_requests,
                 throughput_concurrency=args.throughput_concurrency,
                 prompt_bytes=args.prompt_bytes,
+                command="python -m bench " + shlex.join(argv),
             )
         )
         print(report(results))

@@ -34,8 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import random
 import shlex
 import sys
@@ -59,6 +57,7 @@ from bench.longrun import (
     total,
     wait_for,
 )
+from bench.provenance import provenance
 from bench.stack import (
     EppPorts,
     ManagedProcess,
@@ -376,9 +375,7 @@ async def run_agreement_async(options: AgreementOptions) -> dict[str, Any]:
         await asyncio.to_thread(pods.stop)
     ok = [o for o in run.outcomes if o.ok]
     document = {
-        "command": options.command,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": _cpus(), "python": platform.python_version()},
+        **provenance(options.command),
         "options": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in asdict(options).items()
@@ -416,12 +413,6 @@ def _probe_json(probe: Probe) -> dict[str, Any]:
 
 def _json(document: dict[str, Any]) -> str:
     return json.dumps(document, indent=1) + "\n"
-
-
-def _cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 0
 
 
 def _pct(value: float | None) -> str:

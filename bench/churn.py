@@ -33,8 +33,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
-import platform
 import random
 import shlex
 import sys
@@ -51,6 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench.overhead import process_cpu_seconds
+from bench.provenance import provenance
 from bench.stack import EppPorts, ManagedProcess, start_epp
 from bench.stats import in_ms, percentile
 from epp._proto.envoy.config.core.v3 import base_pb2 as core
@@ -348,8 +347,7 @@ async def run_churn_async(options: ChurnOptions) -> dict[str, Any]:
             await asyncio.to_thread(epp.stop)
         await api.stop()
     document = {
-        "command": options.command,
-        "machine": {"cpus": _cpus(), "python": platform.python_version()},
+        **provenance(options.command),
         "options": {k: v for k, v in asdict(options).items() if k not in ("out_dir", "command")},
         "method": "real picks (ext_proc, subset hint = the changed pod) until the answer flips",
         "start_to_ready_s": ready_s,
@@ -367,12 +365,6 @@ async def run_churn_async(options: ChurnOptions) -> dict[str, Any]:
     (out / "churn.json").write_text(json.dumps(document, indent=1))
     (out / "churn.md").write_text(report(document))
     return document
-
-
-def _cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 0
 
 
 def report(document: dict[str, Any]) -> str:

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +34,7 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
+from bench.provenance import provenance
 from bench.stack import (
     EppPorts,
     ManagedProcess,
@@ -199,6 +199,7 @@ class OverheadOptions:
     throughput_concurrency: int = 64
     prompt_bytes: int = 200
     upstreams: int = 2
+    command: str = ""  # the command line, for the result file
 
 
 def _body(prompt_bytes: int) -> bytes:
@@ -311,13 +312,11 @@ def run_overhead(options: OverheadOptions) -> dict[str, Any]:
         urls = {name: f"http://127.0.0.1:{listen[name]}/v1/completions" for name in PATHS}
         servers = {"null": null, "epp": epp, "epp-lean": epp}
         results = asyncio.run(_measure(options, urls, servers))
-    results["machine"] = {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
+    results.update(provenance(options.command))
     results["options"] = {
-        k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()
+        k: str(v) if isinstance(v, Path) else v
+        for k, v in asdict(options).items()
+        if k != "command"
     }
     (out / "overhead.json").write_text(json.dumps(results, indent=2))
     (out / "overhead.md").write_text(report(results))

@@ -24,8 +24,8 @@ import gc
 import json
 import logging
 import os
-import platform
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -38,6 +38,7 @@ import msgspec
 import yaml
 import zmq.asyncio
 
+from bench.provenance import provenance
 from bench.stats import latency_ms
 from epp.config import load_config
 from epp.datastore import Datastore, EndpointSpec
@@ -505,13 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (QWEN / "tokenizer.json").is_file():
         print(f"needs the Qwen2.5 tokenizer in {QWEN}", file=sys.stderr)
         return 2
-    results: dict[str, Any] = {
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "pods": args.pods,
-    }
+    command = "python -m bench.pick " + shlex.join(sys.argv[1:] if argv is None else argv)
+    results: dict[str, Any] = {"pods": args.pods}
     results["pick"] = asyncio.run(measure_pick(args.pods, args.iterations, args.warmup))
     results["ingestion"] = asyncio.run(measure_ingestion(args.ingest_batches))
     results["memory"] = measure_memory(args.memory_entries)
+    results.update(provenance(command))
     text = json.dumps(results, indent=2)
     print(text)
     if args.out is not None:

@@ -102,7 +102,7 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
         f" tokenizer {Path(setup['tokenizer']).name}; every policy starts on a fresh fleet",
         "- EPP policies: client -> Envoy (manifests/envoy/envoy.yaml) -> EPP -> pod;"
         " peers: client -> router -> pod",
-        f"- {setup['machine']['cpus']} CPUs; the run took {document['wall_seconds']:.0f} s",
+        f"- {document['machine']['cpus']} CPUs; the run took {document['wall_seconds']:.0f} s",
         "",
         "Times are simulated seconds. Hit rate = prefix-cache hit tokens / prompt tokens,"
         " from the pods' own counters. TTFT percentiles are over successful requests;"

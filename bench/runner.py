@@ -25,12 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -45,6 +43,7 @@ from tqdm import tqdm
 from bench.bounds import Bounds, compute_bounds
 from bench.client import Arrivals, Record, RunTiming, drive
 from bench.peers import PeerKind, ensure_peer_venv, parse_peer, start_peer
+from bench.provenance import provenance
 from bench.stack import (
     ROOT,
     EppPorts,
@@ -486,8 +485,7 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
         ladder.append(rung)
     document = {
         "schema": 1,
-        "command": options.command,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **provenance(options.command),
         "wall_seconds": round(time.monotonic() - started, 1),
         "setup": {
             "pods": options.pods,
@@ -501,7 +499,6 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
             "seed": options.seed,
             "request_timeout_s": options.request_timeout_s,
             "max_error_rate": options.max_error_rate,
-            "machine": {"cpus": _cpus(), "python": sys.version.split()[0]},
         },
         "workload": {**workload.describe(), "prompt_tokens": bounds.prompt_tokens},
         "oracle": bounds.to_json(),
@@ -510,10 +507,6 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
     }
     write_outputs(document, options.out)
     return document
-
-
-def _cpus() -> int:
-    return os.cpu_count() or 0
 
 
 def _slug(text: str) -> str:

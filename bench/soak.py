@@ -38,8 +38,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import shlex
 import sys
 import time
@@ -62,6 +60,7 @@ from bench.longrun import (
     rss_bytes,
     total,
 )
+from bench.provenance import provenance
 from bench.stack import (
     EppPorts,
     Pods,
@@ -348,9 +347,7 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
             await asyncio.to_thread(stop)
         await asyncio.to_thread(pods.stop)
     document = {
-        "command": options.command,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": _cpus(), "python": platform.python_version()},
+        **provenance(options.command),
         "options": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in asdict(options).items()
@@ -535,12 +532,6 @@ def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
     if document["command"]:
         lines += ["", f"`{document['command']}`"]
     return "\n".join(lines) + "\n"
-
-
-def _cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 0
 
 
 def run_soak(options: SoakOptions) -> dict[str, Any]:

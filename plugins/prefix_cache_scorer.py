@@ -51,7 +51,8 @@ from epp.scheduling import (
     SchedulingResult,
     prefix_match_key,
 )
-from plugins.approx_prefix_cache_producer import ApproxPrefixMatcher
+
+from .approx_prefix_cache_producer import ApproxPrefixMatcher
 
 _Blocks = Annotated[int, msgspec.Meta(ge=0)]
 

@@ -80,8 +80,8 @@ _SUBPACKAGE_UNITS = ("scheduling", "config", "kvindex", "extproc", "tokenization
 def unit_of(module: str) -> str | None:
     """The unit a module belongs to; None outside the EPP and its plugins."""
     parts = module.split(".")
-    if parts[0] == "plugins":
-        return "plugins"
+    if parts[0] == "plugins" or parts[:2] == ["epp", "plugins"]:
+        return "plugins"  # the folder, installed as `epp.plugins`
     if parts[0] != "epp":
         return None
     if len(parts) == 1:
@@ -166,6 +166,7 @@ def test_the_simulator_shares_no_code_with_the_epp() -> None:
         ("epp.sources.static", "epp.sources.static"),
         ("epp.director", "epp.director"),
         ("plugins.queue_scorer", "plugins"),
+        ("epp.plugins.queue_scorer", "plugins"),
         ("epp", "epp"),
         ("grpc", None),
     ],

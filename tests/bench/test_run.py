@@ -12,6 +12,7 @@ import pytest
 from bench.__main__ import main
 from bench.client import Record, RunTiming
 from bench.peers import PEER_VENV, peer_venv_ready
+from bench.provenance import provenance
 from bench.runner import PodCounters, parse_counters, summarize
 
 RESULT_KEYS = {
@@ -44,6 +45,10 @@ def test_round_robin_through_envoy_and_the_epp(tmp_path: Path) -> None:
     result = results["policies"]["round-robin"]
     assert set(result) >= RESULT_KEYS
     assert set(results["oracle"]) >= {"h_star", "h_random"}
+    # Where the result came from: the command, the commit, the machine.
+    assert results["command"].startswith("python -m bench run ")
+    assert len(results["commit"]) == 40
+    assert results["machine"]["cpus"] >= 1
     assert (result["requests"], result["errors"], result["status"]) == (12, 0, "ok")
     assert result["load_per_pod"] == {"sim-0": 6, "sim-1": 6}
     assert result["max_over_mean_load"] == 1.0
@@ -141,7 +146,7 @@ def test_a_failed_policy_is_marked_failed_in_the_report(tmp_path: Path) -> None:
         "load_per_pod": {"sim-0": 2, "sim-1": 1},
     }
     document = {
-        "command": "python -m bench run ...",
+        **provenance("python -m bench run ..."),
         "wall_seconds": 1.0,
         "setup": {
             "pods": 2,
@@ -150,7 +155,6 @@ def test_a_failed_policy_is_marked_failed_in_the_report(tmp_path: Path) -> None:
             "num_gpu_blocks": None,
             "tokenizer": "builtin",
             "max_error_rate": 0.05,
-            "machine": {"cpus": 2},
         },
         "workload": {"name": "shared-prefix", "params": {}, "requests": 3, "prompt_tokens": 30},
         "oracle": {

@@ -11,6 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 import yaml
+from epp.plugins.max_score_picker import MaxScorePicker
+from epp.plugins.round_robin_picker import RoundRobinPicker
+from epp.plugins.single_profile_handler import SingleProfileHandler
 from prometheus_client import CollectorRegistry
 
 from epp import cli
@@ -37,9 +40,6 @@ from epp.scheduling import (
 )
 from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry, UnknownPluginType
-from plugins.max_score_picker import MaxScorePicker
-from plugins.round_robin_picker import RoundRobinPicker
-from plugins.single_profile_handler import SingleProfileHandler
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from epp.plugins.core_metrics_extractor import CoreMetricsExtractor
+from epp.plugins.metrics_data_source import MetricsDataSource
+from epp.plugins.utilization_detector import UtilizationDetector
 
 from epp.config import ConfigError, InvalidConfig, SchedulingConfig, load_config
 from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
-from plugins.core_metrics_extractor import CoreMetricsExtractor
-from plugins.metrics_data_source import MetricsDataSource
-from plugins.utilization_detector import UtilizationDetector
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 

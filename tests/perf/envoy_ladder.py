@@ -26,7 +26,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import platform
 import re
 import shlex
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.provenance import provenance
 from bench.stack import (
     ENVOY_YAML,
     EppPorts,
@@ -232,9 +232,7 @@ def run(
                 if not (rung["envoy_alive"] and rung["epp_alive"]):
                     break
     return {
-        "command": "python -m tests.perf.envoy_ladder " + shlex.join(sys.argv[1:]),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        **provenance("python -m tests.perf.envoy_ladder " + shlex.join(sys.argv[1:])),
         "envoy": envoy_version(),
         "requests_per_rung": requests,
         "seed": seed,
@@ -255,7 +253,7 @@ def report(result: dict[str, Any]) -> str:
         result["command"],
         "```",
         "",
-        f"Envoy {result['envoy']}; {result['host']['cpus']} CPUs; {result['requests_per_rung']}"
+        f"Envoy {result['envoy']}; {result['machine']['cpus']} CPUs; {result['requests_per_rung']}"
         f" requests a rung (the mix of tests/integration/load_mix.py), open-loop Poisson"
         f" arrivals, seed {result['seed']}; {result['total_requests']} requests in all,"
         f" {result['total_unexpected']} with an unexpected outcome;"

@@ -29,11 +29,14 @@ import json
 import multiprocessing
 import os
 import resource
+import shlex
+import sys
 import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
+from bench.provenance import provenance
 from epp.datastore import Datastore, EndpointSpec
 from epp.sources.metrics import MetricsExtractor, MetricsScraper, ScrapeSettings
 from tests.epp.sources.pages import vllm_page
@@ -257,7 +260,8 @@ def main() -> None:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    print(json.dumps(result, indent=2))
+    command = "python -m tests.perf.scrape_cost " + shlex.join(sys.argv[1:])
+    print(json.dumps({**provenance(command), **result}, indent=2))
 
 
 if __name__ == "__main__":

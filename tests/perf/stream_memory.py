@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.provenance import provenance
 from bench.stack import Pods, envoy_config, free_port, start_envoy
 from tests.epp.conftest import app_on_runner, local_options
 
@@ -143,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.requests, args.concurrency)
     command = "python -m tests.perf.stream_memory " + shlex.join(sys.argv[1:])
-    print(json.dumps({"command": command, **result}, indent=2))
+    print(json.dumps({**provenance(command), **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ import time
 
 import msgspec
 import pytest
+from epp.plugins.stale_metrics_filter import StaleMetricsFilter
+from epp.plugins.utilization_detector import UtilizationDetector
 
 from epp.datastore import KV_CACHE_USAGE, WAITING, Endpoint, EndpointMetrics
 from epp.scheduling import CycleState
-from plugins.stale_metrics_filter import StaleMetricsFilter
-from plugins.utilization_detector import UtilizationDetector
 from tests.plugins.helpers import context, make_endpoints, make_request
 
 

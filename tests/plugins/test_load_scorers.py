@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
+from epp.plugins.active_request_scorer import ActiveRequestScorer
+from epp.plugins.kv_cache_utilization_scorer import KvCacheUtilizationScorer
+from epp.plugins.load_aware_scorer import LoadAwareScorer
+from epp.plugins.queue_scorer import QueueScorer
+from epp.plugins.running_requests_size_scorer import RunningRequestsSizeScorer
 
 from epp.datastore import KV_CACHE_USAGE, RUNNING, WAITING, Endpoint, EndpointMetrics
 from epp.scheduling import CycleState
-from plugins.active_request_scorer import ActiveRequestScorer
-from plugins.kv_cache_utilization_scorer import KvCacheUtilizationScorer
-from plugins.load_aware_scorer import LoadAwareScorer
-from plugins.queue_scorer import QueueScorer
-from plugins.running_requests_size_scorer import RunningRequestsSizeScorer
 from tests.plugins.helpers import context, make_endpoints, make_request
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from epp.plugins.lora_affinity_filter import LoraAffinityFilter
+from epp.plugins.lora_affinity_scorer import LoraAffinityScorer
 
 from epp.datastore import LORA, Endpoint, EndpointMetrics
 from epp.requests import Api, InferenceRequest
 from epp.scheduling import CycleState
-from plugins.lora_affinity_filter import LoraAffinityFilter
-from plugins.lora_affinity_scorer import LoraAffinityScorer
 from tests.plugins.helpers import context, make_endpoints
 
 

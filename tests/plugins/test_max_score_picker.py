@@ -7,9 +7,9 @@ from collections import Counter
 
 import msgspec
 import pytest
+from epp.plugins.max_score_picker import MaxScorePicker
 
 from epp.scheduling import CycleState
-from plugins.max_score_picker import MaxScorePicker
 from tests.plugins.helpers import context, make_endpoints, scored
 
 

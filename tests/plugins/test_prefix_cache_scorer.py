@@ -7,14 +7,14 @@ import time
 
 import msgspec
 import pytest
+from epp.plugins.approx_prefix_cache_producer import ApproxPrefixCacheProducer
+from epp.plugins.prefix_cache_scorer import PrefixCacheScorer
 from prometheus_client import CollectorRegistry
 
 from epp.datastore import Datastore, EndpointMetrics, EndpointSpec
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling import CycleState, PluginContext, SchedulingResult
 from epp.scheduling.types import ProfileResult, ScoredEndpoint
-from plugins.approx_prefix_cache_producer import ApproxPrefixCacheProducer
-from plugins.prefix_cache_scorer import PrefixCacheScorer
 from tests.plugins.helpers import make_endpoints
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from epp.plugins.random_picker import RandomPicker
+
 from epp.scheduling import CycleState
-from plugins.random_picker import RandomPicker
 from tests.plugins.helpers import context, make_endpoints, scored
 
 

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import pytest
+from epp.plugins.role_filter import ROLE_LABEL, DecodeFilter, EncodeFilter, PrefillFilter
 
 from epp.datastore import Endpoint, EndpointSpec
 from epp.scheduling import CycleState
-from plugins.role_filter import ROLE_LABEL, DecodeFilter, EncodeFilter, PrefillFilter
 from tests.plugins.helpers import context, make_request
 
 ROLES = [None, "decode", "prefill", "encode", "prefill-decode", "both",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from epp.plugins.round_robin_picker import RoundRobinPicker
+
 from epp.datastore import Endpoint
 from epp.scheduling import CycleState, ProfileResult, SchedulingResult, ScoredEndpoint
-from plugins.round_robin_picker import RoundRobinPicker
 from tests.plugins.helpers import context, make_endpoints, make_request, scored
 
 

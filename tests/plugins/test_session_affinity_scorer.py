@@ -6,12 +6,12 @@ import base64
 
 import msgspec
 import pytest
+from epp.plugins.session_affinity_scorer import SessionAffinityScorer
 
 from epp.clock import SYSTEM_CLOCK, Clock, VirtualClock
 from epp.requests import parse_request
 from epp.scheduling import CycleState, SchedulingResult
 from epp.scheduling.types import ProfileResult, ScoredEndpoint
-from plugins.session_affinity_scorer import SessionAffinityScorer
 from tests.plugins.helpers import context, make_endpoints
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from epp.plugins.single_profile_handler import SingleProfileHandler
 
 from epp.scheduling import CycleState, ProfileResult
-from plugins.single_profile_handler import SingleProfileHandler
 from tests.plugins.helpers import context, make_endpoints, make_request
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from epp.plugins.weighted_random_picker import WeightedRandomPicker
+
 from epp.scheduling import CycleState
-from plugins.weighted_random_picker import WeightedRandomPicker
 from tests.plugins.helpers import context, make_endpoints, scored
 
 

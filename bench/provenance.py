@@ -1,0 +1,60 @@
+"""Where a result came from: the command, the code and the machine. Every result
+file the benchmarks write carries it, so a figure in the docs can be traced to the
+run, the commit it measured and what else the host was doing."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (fewer than the machine's when pinned)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 0
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """`command`, the git commit (and whether tracked files differed from it), the
+    time in UTC, and the machine: CPUs, CPU model, Python, the 1-minute load
+    average when the run ended (above the CPU count, something else competed)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "command": command,
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(status) if status is not None else None,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": _cpus(),
+            "cpu_model": _cpu_model(),
+            "python": platform.python_version(),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        },
+    }
