@@ -1,6 +1,7 @@
 """`python -m bench`: the routing benchmark, the demo, the overhead benchmark.
 
 python -m bench run        a workload through routing policies to a simulated fleet
+python -m bench lab        routing policies against a simulated fleet in virtual time
 python -m bench demo       Envoy + EPP + 4 simulated pods: round-robin vs the others
 python -m bench overhead   what the EPP adds per request, through real Envoy
 python -m bench churn      time from a pod change in the Kubernetes API to routing
@@ -17,35 +18,6 @@ import shlex
 import sys
 from pathlib import Path
 from typing import Any
-
-# Which workload takes which option (and the option's name in bench/workloads.py).
-WORKLOAD_OPTIONS: dict[str, dict[str, str]] = {
-    "shared-prefix": {
-        "groups": "groups",
-        "prompts_per_group": "prompts_per_group",
-        "system_len": "system_len",
-        "question_len": "question_len",
-        "output_len": "output_len",
-    },
-    "hot-prefix": {
-        "groups": "groups",
-        "requests": "requests",
-        "hot_share": "hot_share",
-        "system_len": "system_len",
-        "question_len": "question_len",
-        "output_len": "output_len",
-    },
-    "multi-turn": {
-        "conversations": "conversations",
-        "turns": "turns",
-        "system_len": "system_len",
-        "question_len": "question_len",
-        "output_len": "output_len",
-        "think_time": "think_s",
-    },
-    "trace": {"trace_limit": "limit", "trace_speed": "speed", "max_input_len": "max_input_len"},
-}
-ALL_WORKLOAD_OPTIONS = sorted({k for opts in WORKLOAD_OPTIONS.values() for k in opts})
 
 
 def _rates(text: str) -> list[float]:
@@ -64,6 +36,8 @@ def _rate(text: str) -> float:
 
 
 def add_run_parser(commands: Any) -> None:
+    from bench.workloads import add_shape_arguments
+
     run = commands.add_parser(
         "run",
         help="drive a workload through routing policies to a simulated fleet",
@@ -101,22 +75,17 @@ def add_run_parser(commands: Any) -> None:
         help="wall seconds per simulated second (above 1: slower than real time)",
     )
     run.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    run.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every policy N times per rung, each from cold, the order of the policies"
+        " alternating (A B C, C B A, ...); results are the means with 95%% confidence"
+        " intervals",
+    )
     run.add_argument("--out", type=Path, default=Path("out/bench"), help="output directory")
-    shape = run.add_argument_group("workload shape (tokens; defaults are the workload's)")
-    shape.add_argument("--groups", type=int)
-    shape.add_argument("--prompts-per-group", type=int)
-    shape.add_argument("--requests", type=int, help="hot-prefix: total requests")
-    shape.add_argument("--hot-share", type=float, help="hot-prefix: the hot group's share")
-    shape.add_argument("--conversations", type=int)
-    shape.add_argument("--turns", type=int)
-    shape.add_argument("--think-time", type=float, help="multi-turn: seconds between turns")
-    shape.add_argument("--system-len", type=int)
-    shape.add_argument("--question-len", type=int)
-    shape.add_argument("--output-len", type=int)
-    shape.add_argument("--trace", type=Path, help="Mooncake-style JSONL trace to replay")
-    shape.add_argument("--trace-limit", type=int, help="replay only the first N records")
-    shape.add_argument("--trace-speed", type=float, help="replay N times faster")
-    shape.add_argument("--max-input-len", type=int, help="trace: cut longer prompts")
+    add_shape_arguments(run)
     fleet = run.add_argument_group("fleet and data path")
     fleet.add_argument(
         "--tokenizer",
@@ -147,17 +116,15 @@ def add_run_parser(commands: Any) -> None:
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     from bench.client import Arrivals
     from bench.runner import RunOptions, resolve_policy, run_benchmark, unique_names
-    from bench.workloads import WorkloadSpec, default_tokenizer_dir
+    from bench.workloads import spec_from_args, tokenizer_from_arg
 
-    given = {k: getattr(args, k) for k in ALL_WORKLOAD_OPTIONS if getattr(args, k) is not None}
-    allowed = WORKLOAD_OPTIONS[args.workload]
-    wrong = sorted(k for k in given if k not in allowed)
-    if wrong:
-        names = ", ".join("--" + k.replace("_", "-") for k in wrong)
-        print(f"error: {names} do(es) not apply to the {args.workload} workload", file=sys.stderr)
+    try:
+        spec = spec_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.workload == "trace" and args.trace is None:
-        print("error: the trace workload needs --trace FILE", file=sys.stderr)
+    if args.repeats < 1:
+        print("error: --repeats must be at least 1", file=sys.stderr)
         return 2
     if args.rates is not None:
         ladder = [Arrivals("poisson", rate=r) for r in args.rates]
@@ -177,20 +144,10 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.tokenizer == "builtin":
-        tokenizer = None
-    elif args.tokenizer is not None:
-        tokenizer = Path(args.tokenizer).resolve()
-    else:
-        tokenizer = default_tokenizer_dir()
+    tokenizer = tokenizer_from_arg(args.tokenizer)
     options = RunOptions(
         out=args.out,
-        workload=WorkloadSpec(
-            args.workload,
-            seed=args.seed,
-            options={allowed[k]: v for k, v in given.items()},
-            trace_path=args.trace,
-        ),
+        workload=spec,
         policies=policies,
         ladder=ladder,
         pods=args.pods,
@@ -205,6 +162,7 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         max_error_rate=args.max_error_rate,
         progress=not args.no_progress and sys.stderr.isatty(),
         command="python -m bench " + shlex.join(argv),
+        repeats=args.repeats,
     )
     try:
         document = run_benchmark(options)
@@ -264,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported for its parser only; the benchmark's own imports wait for its command.
     from bench import agreement, churn, soak
+    from bench.lab import cli as lab
 
+    lab.add_parser(commands)
     churn.add_parser(commands)
     agreement.add_parser(commands)
     soak.add_parser(commands)
@@ -272,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_command(args, argv)
+    if args.command == "lab":
+        return lab.command(args, argv)
     if args.command == "churn":
         return churn.command(args, argv)
     if args.command == "agreement":

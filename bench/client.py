@@ -13,12 +13,31 @@ A session's turns go one after the other, the next only once the previous answer
 ended (plus the session's think time); a failed turn ends its session, and its
 remaining turns are recorded as errors ("skipped").
 
+Every request has a scheduled time, when it was due, and the time it was actually
+sent (`Record.scheduled_s`, `Record.sent_s`), and its TTFT and end-to-end time are
+measured from the scheduled time, not from the send: a client that falls behind
+its schedule (a busy event loop, a slow machine) then shows its delay in the
+latencies instead of hiding the queueing it caused ("coordinated omission"). The
+difference, sent - scheduled, is the client's lag, reported beside the latencies;
+the latency from the send is TTFT - lag. The scheduled time is:
+
+- open loop (`poisson`, `trace`): a session's first turn is due at its arrival time
+  in the schedule, whenever the client gets round to sending it;
+- a later turn of a session is due when the previous turn's answer ended (its
+  `data: [DONE]`) plus the session's think time: it cannot be scheduled earlier,
+  since its request carries that answer, so the schedule of a conversation follows
+  its own answers (a slow answer delays the next turn's schedule, a slow client
+  only its send);
+- closed loop (`closed`): a session's first turn is due when its client slot became
+  free: at the start for the first `concurrency` sessions, then when the slot's
+  previous session ended (its last answer, or the failure that ended it).
+
 Per request: TTFT = until the first chunk carrying answer text (the chat role chunk
-has none), end-to-end = until `data: [DONE]`, both measured in wall time and divided
-by the time scale; output and cached tokens from the usage chunk; the pod from the
-`x-sim-pod` response header (None when a router does not pass it on); the status and,
-for a failure, what failed: an HTTP status, a connection error, a timeout, or a stream
-that ended without `[DONE]`.
+has none), end-to-end = until `data: [DONE]`, both from the scheduled time, measured
+in wall time and divided by the time scale; output and cached tokens from the usage
+chunk; the pod from the `x-sim-pod` response header (None when a router does not pass
+it on); the status and, for a failure, what failed: an HTTP status, a connection
+error, a timeout, or a stream that ended without `[DONE]`.
 """
 
 from __future__ import annotations
@@ -90,8 +109,13 @@ class Record:
     session: int
     turn: int
     group: int
-    # Simulated seconds after the run's start the request was sent.
-    sent_s: float
+    # Simulated seconds after the run's start the request was due (module docstring:
+    # the schedule of open loop, turns and closed loop); TTFT and e2e count from it.
+    scheduled_s: float
+    # Simulated seconds after the run's start it was actually sent; None for a turn
+    # never sent (skipped: an earlier turn of its session failed). The client's lag
+    # is sent_s - scheduled_s.
+    sent_s: float | None = None
     ok: bool = False
     status: int | None = None
     error: str | None = None
@@ -173,8 +197,12 @@ async def send(
     record: Record,
     scale: float,
     timeout_s: float,
+    scheduled: float | None = None,
 ) -> Record:
-    started = time.perf_counter()
+    """Send one request and fill `record` in; TTFT and e2e are counted from
+    `scheduled` (a `time.perf_counter()` value: when the request was due), or from
+    now when it is None."""
+    started = time.perf_counter() if scheduled is None else scheduled
     try:
         await _stream(http, url, body, record, started, scale, timeout_s)
         record.ok = True
@@ -211,7 +239,9 @@ async def drive(
     request_timeout_s: float,
     on_done: Callable[[Record], None] | None = None,
 ) -> tuple[list[Record], RunTiming]:
-    """Send every session of `workload` to `url` (an OpenAI base URL) and time it.
+    """Send every session of `workload` to `url` (an OpenAI base URL) and time it:
+    every request from its scheduled time (the module docstring says what that is
+    for each kind of arrivals), its send time recorded beside it.
 
     `request_timeout_s` is in simulated seconds."""
     endpoint = url.rstrip("/") + "/v1/chat/completions"
@@ -221,37 +251,57 @@ async def drive(
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     loop_start = time.perf_counter()
 
+    def since_start(wall: float) -> float:
+        return (wall - loop_start) / time_scale
+
+    def done(record: Record) -> None:
+        records.append(record)
+        if on_done is not None:
+            on_done(record)
+
     async with aiohttp.ClientSession(connector=connector) as http:
 
-        async def run_session(session: Session) -> None:
+        async def run_session(session: Session, due: float) -> float:
+            """Run `session`'s turns, the first due at `due` (wall, perf_counter);
+            returns when it ended (its last answer, or the failure that ended it)."""
+            ended = due
             for index, turn in enumerate(session.turns):
-                now = time.perf_counter()
-                timing.first_sent = min(timing.first_sent, now)
-                record = Record(session.id, index, session.group, (now - loop_start) / time_scale)
+                record = Record(session.id, index, session.group, since_start(due))
                 body = json.dumps(turn.body(model)).encode()
-                await send(http, endpoint, body, record, time_scale, timeout_wall)
-                timing.last_done = max(timing.last_done, time.perf_counter())
-                records.append(record)
-                if on_done is not None:
-                    on_done(record)
+                sent = time.perf_counter()
+                record.sent_s = since_start(sent)
+                timing.first_sent = min(timing.first_sent, sent)
+                await send(http, endpoint, body, record, time_scale, timeout_wall, due)
+                ended = time.perf_counter()
+                timing.last_done = max(timing.last_done, ended)
+                if record.e2e_s is not None:
+                    # The answer's end ([DONE]), as e2e measured it.
+                    ended = due + record.e2e_s * time_scale
+                done(record)
                 if not record.ok:
                     for skipped in range(index + 1, len(session.turns)):
-                        lost = Record(session.id, skipped, session.group, record.sent_s)
+                        lost = Record(session.id, skipped, session.group, since_start(ended))
                         lost.error = "skipped: an earlier turn of its session failed"
-                        records.append(lost)
-                        if on_done is not None:
-                            on_done(lost)
-                    return
-                if session.think_s > 0 and index + 1 < len(session.turns):
-                    await asyncio.sleep(session.think_s * time_scale)
+                        done(lost)
+                    return ended
+                if index + 1 < len(session.turns):
+                    # The next turn is due think time after this answer ended; the
+                    # wait is shortened by however late this coroutine resumed.
+                    due = ended + session.think_s * time_scale
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+            return ended
 
         if arrivals.kind == "closed":
             queue = list(workload.sessions)
             queue.reverse()
 
             async def client() -> None:
+                # The slot is free at the start, then whenever its session ends.
+                free = loop_start
                 while queue:
-                    await run_session(queue.pop())
+                    free = await run_session(queue.pop(), free)
 
             assert arrivals.concurrency is not None
             await asyncio.gather(*(client() for _ in range(arrivals.concurrency)))
@@ -261,10 +311,11 @@ async def drive(
             for start, session in sorted(
                 zip(starts, workload.sessions, strict=True), key=lambda p: (p[0], p[1].id)
             ):
-                delay = loop_start + start * time_scale - time.perf_counter()
+                due = loop_start + start * time_scale
+                delay = due - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(run_session(session)))
+                tasks.append(asyncio.create_task(run_session(session, due)))
             await asyncio.gather(*tasks)
-    records.sort(key=lambda r: (r.sent_s, r.session, r.turn))
+    records.sort(key=lambda r: (r.scheduled_s, r.session, r.turn))
     return records, timing

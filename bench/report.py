@@ -4,6 +4,10 @@ Plots: `ttft_cdf.png` (TTFT CDF per policy), `hit_rate.png` (measured hit rate p
 policy with the bounds), `load_per_pod.png` (requests per pod per policy) for the
 last rung of the ladder, and for a ladder of two or more rates `ladder.png` (hit
 rate and TTFT p90 against the request rate).
+
+With repeats (`--repeats N`), a figure is the mean over the repeats shown as
+`mean ± half-width of its 95% confidence interval`, the TTFT CDF pools every
+repeat's requests and the hit-rate bars carry the interval as error bars.
 """
 
 from __future__ import annotations
@@ -28,12 +32,27 @@ def _fmt(value: Any, spec: str, unit: str = "") -> str:
     return format(value, spec) + unit
 
 
+def _ci(result: dict[str, Any], key: str, spec: str, unit: str = "") -> str:
+    """The value, and ` ± ` its 95% confidence half-width when it has one (repeats)."""
+    text = _fmt(result.get(key), spec)
+    half = result.get(f"{key}_ci95")
+    if half is None or text == "-":
+        return text + (unit if text != "-" else "")
+    return f"{text} ± {format(half, spec)}{unit}"
+
+
+def _lag(result: dict[str, Any]) -> str:
+    keys = ("client_lag_p50_s", "client_lag_p99_s", "client_lag_max_s")
+    return " / ".join(_ci(result, key, ".3f") for key in keys)
+
+
 def _status(result: dict[str, Any]) -> str:
     if result["status"] == "failed":
         return f"**FAILED**: {result.get('failure')}"
     if result["status"] == "errors":
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(result.get("error_kinds", {}).items()))
-        return f"errors ({kinds})"
+        over = f" over {len(result['repeats'])} repeats" if result.get("repeats") else ""
+        return f"errors ({kinds}{over})"
     return "ok"
 
 
@@ -41,24 +60,25 @@ def table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
     oracle = document["oracle"]
     lines = [
         "| policy | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | throughput (req/s)"
-        " | output tok/s | requests | errors | max/mean load | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        " | output tok/s | requests | errors | max/mean load"
+        " | client lag p50 / p99 / max (s) | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in policies.items():
         lines.append(
-            f"| {name} | {_fmt(r['hit_rate'], '.3f')} | {_fmt(r['ttft_p50_s'], '.3f')}"
-            f" | {_fmt(r['ttft_p90_s'], '.3f')} | {_fmt(r['ttft_p99_s'], '.3f')}"
-            f" | {_fmt(r['throughput_rps'], '.2f')} | {_fmt(r['output_tokens_per_s'], ',.0f')}"
-            f" | {r['requests']} | {r['errors']} | {_fmt(r['max_over_mean_load'], '.2f')}"
-            f" | {_status(r)} |"
+            f"| {name} | {_ci(r, 'hit_rate', '.3f')} | {_ci(r, 'ttft_p50_s', '.3f')}"
+            f" | {_ci(r, 'ttft_p90_s', '.3f')} | {_ci(r, 'ttft_p99_s', '.3f')}"
+            f" | {_ci(r, 'throughput_rps', '.2f')} | {_ci(r, 'output_tokens_per_s', ',.0f')}"
+            f" | {_fmt(r['requests'], 'g')} | {_ci(r, 'errors', 'g')}"
+            f" | {_ci(r, 'max_over_mean_load', '.2f')} | {_lag(r)} | {_status(r)} |"
         )
     lines.append(
         f"| *bound h\\* (one copy per prefix, infinite cache)* | {oracle['h_star']:.3f}"
-        " | | | | | | | | | |"
+        " | | | | | | | | | | |"
     )
     lines.append(
         f"| *h_random (uniform random over {oracle['pods']} pods, infinite caches)*"
-        f" | {oracle['h_random']:.3f} | | | | | | | | | |"
+        f" | {oracle['h_random']:.3f} | | | | | | | | | | |"
     )
     return lines
 
@@ -71,12 +91,39 @@ def ladder_table(document: dict[str, Any]) -> list[str]:
         cells = []
         for name in names:
             r = rung["policies"][name]
-            cell = f"{_fmt(r['hit_rate'], '.3f')} / {_fmt(r['ttft_p90_s'], '.3f')} / {r['errors']}"
+            cell = (
+                f"{_ci(r, 'hit_rate', '.3f')} / {_ci(r, 'ttft_p90_s', '.3f')}"
+                f" / {_fmt(r['errors'], 'g')}"
+            )
             if r["status"] == "failed":
                 cell += " FAILED"
             cells.append(cell)
         lines.append(f"| {rung['label']} | " + " | ".join(cells) + " |")
     return lines
+
+
+# The report warns when the client's lag p99 exceeds this share of the TTFT p50.
+CLIENT_LAG_WARNING = 0.1
+
+
+def _repeats_text(document: dict[str, Any], repeats: int) -> list[str]:
+    if repeats <= 1:
+        return []
+    lines = [
+        f"Every policy ran {repeats} times per load, each time on a fresh fleet, the order"
+        " of the policies reversed every other repeat so that a drift of the machine falls"
+        " on all of them alike. Figures are the mean over the repeats ± the half-width of"
+        " its 95% confidence interval (Student's t with N - 1 degrees of freedom,"
+        f" N = {repeats});"
+        " each repeat's own figures are in results.json (`repeats`). Order:",
+        "",
+    ]
+    for rung in document["ladder"]:
+        orders = "; ".join(
+            f"{i}: {', '.join(order)}" for i, order in enumerate(rung.get("policy_order", []), 1)
+        )
+        lines.append(f"- {rung['label']}: {orders}")
+    return [*lines, ""]
 
 
 def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
@@ -85,6 +132,10 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
     oracle = document["oracle"]
     params = ", ".join(f"{k}={v}" for k, v in workload["params"].items())
     last = document["ladder"][-1]["label"] if document["ladder"] else ""
+    repeats = setup.get("repeats") or 1
+    commit = document.get("commit") or "unknown"
+    if document.get("dirty"):
+        commit += " (with uncommitted changes)"
     lines = [
         f"# Routing benchmark: {workload['name']}",
         "",
@@ -102,13 +153,20 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
         f" tokenizer {Path(setup['tokenizer']).name}; every policy starts on a fresh fleet",
         "- EPP policies: client -> Envoy (manifests/envoy/envoy.yaml) -> EPP -> pod;"
         " peers: client -> router -> pod",
-        f"- {document['machine']['cpus']} CPUs; the run took {document['wall_seconds']:.0f} s",
+        f"- {document['machine']['cpus']} CPUs; the run took {document['wall_seconds']:.0f} s;"
+        f" commit {commit}",
         "",
         "Times are simulated seconds. Hit rate = prefix-cache hit tokens / prompt tokens,"
-        " from the pods' own counters. TTFT percentiles are over successful requests;"
+        " from the pods' own counters. TTFT and end-to-end times are measured from each"
+        " request's scheduled time (its arrival in the open-loop schedule; for a later"
+        " turn, the previous answer's end plus think time; in closed loop, when the"
+        " client slot became free), not from when the client got round to sending it;"
+        " the client lag (sent - scheduled) shows how far the client itself fell behind."
+        " TTFT percentiles are over successful requests;"
         " errors are counted separately, and a policy is marked FAILED when its run did"
         f" not complete or more than {setup['max_error_rate']:.0%} of its requests failed.",
         "",
+        *_repeats_text(document, repeats),
         f"## Results ({last})",
         "",
         *table(document, document["policies"]),
@@ -131,6 +189,14 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
                     f" behind ({fraction:.1%} of the run): the machine could not keep up with"
                     " this time scale"
                 )
+            client_lag, ttft = r.get("client_lag_p99_s"), r.get("ttft_p50_s")
+            if client_lag is not None and ttft and client_lag > CLIENT_LAG_WARNING * ttft:
+                warnings.append(
+                    f"- {name} ({rung['label']}): the client sent 1% of its requests"
+                    f" {client_lag:.3f} s or more after their scheduled time (TTFT p50"
+                    f" {ttft:.3f} s): its TTFTs include that much of the client's own"
+                    " queueing; the machine could not keep up with this rate and time scale"
+                )
     if warnings:
         lines += ["Warnings:", "", *warnings, ""]
     if len(document["ladder"]) > 1:
@@ -151,15 +217,17 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
 
 
 def _ttfts(out: Path, result: dict[str, Any]) -> list[float]:
-    name = result.get("records_file")
-    if not name or not (out / name).is_file():
-        return []
+    """The successful requests' TTFTs of a result, every repeat's pooled."""
+    names = [r.get("records_file") for r in result.get("repeats") or [result]]
     values = []
-    with (out / name).open() as lines:
-        for line in lines:
-            record = json.loads(line)
-            if record["ok"] and record["ttft_s"] is not None:
-                values.append(float(record["ttft_s"]))
+    for name in names:
+        if not name or not (out / name).is_file():
+            continue
+        with (out / name).open() as lines:
+            for line in lines:
+                record = json.loads(line)
+                if record["ok"] and record["ttft_s"] is not None:
+                    values.append(float(record["ttft_s"]))
     return sorted(values)
 
 
@@ -195,7 +263,9 @@ def plot_hit_rate(document: dict[str, Any], out: Path) -> str | None:
     oracle = document["oracle"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = list(policies)
-    ax.bar(names, [policies[n]["hit_rate"] for n in names], color="tab:blue")
+    errors = [policies[n].get("hit_rate_ci95") for n in names]
+    yerr = [e or 0.0 for e in errors] if any(e is not None for e in errors) else None
+    ax.bar(names, [policies[n]["hit_rate"] for n in names], color="tab:blue", yerr=yerr, capsize=4)
     ax.axhline(oracle["h_star"], color="tab:green", linestyle="--", label="h* (bound)")
     ax.axhline(oracle["h_random"], color="tab:red", linestyle=":", label="h_random (expected)")
     ax.set_ylim(0, 1)

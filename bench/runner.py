@@ -17,7 +17,16 @@ For every rung of the load ladder and every policy, from cold:
    increase of each pod's request counter (so it is known for peers too);
 4. everything is stopped.
 
-Times are simulated seconds (wall time divided by the fleet's time scale).
+With `repeats` N > 1 each rung runs every policy N times, each from cold, the order
+of the policies reversed every other repeat (A B C, C B A, A B C, ...) so that a
+drift of the shared machine over the rung falls on every policy alike; a policy's
+result is then the mean over its repeats with a 95% confidence half-width beside
+each number (`combine_repeats`), and each repeat's own result under `repeats`. The
+order used is recorded per rung (`policy_order`).
+
+Times are simulated seconds (wall time divided by the fleet's time scale). TTFT and
+end-to-end times count from each request's scheduled time (bench/client.py); the
+client's lag behind its schedule is reported beside them (`client_lag_*_s`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import random
 import signal
 import socket
@@ -35,7 +45,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import yaml
 from tqdm import tqdm
@@ -55,7 +65,7 @@ from bench.stack import (
     start_epp,
     start_sim_fleet,
 )
-from bench.stats import percentile
+from bench.stats import ci95, percentile
 from bench.workloads import Workload, WorkloadSpec, load_words, token_sequences
 from epp.sources.metrics import read_series
 
@@ -149,6 +159,8 @@ class RunOptions:
     max_error_rate: float = 0.05
     progress: bool = True
     command: str = ""
+    # Runs of every policy per rung, each from cold, the order alternating.
+    repeats: int = 1
 
     def fleet_args(self) -> list[str]:
         args = ["--time-scale", repr(self.time_scale), "--block-size", str(self.block_size)]
@@ -259,6 +271,8 @@ def summarize(
         if r.pod is not None:
             pods_in_headers[r.pod] = pods_in_headers.get(r.pod, 0) + 1
     lag = max((c.lag_s for c in counters.values()), default=0.0)
+    # How late the client sent each request it sent, after its scheduled time.
+    client_lag = sorted(r.sent_s - r.scheduled_s for r in records if r.sent_s is not None)
     status = "ok"
     failure = None
     if not ok:
@@ -300,6 +314,9 @@ def summarize(
         "sim_lag_max_s": lag,
         "sim_lag_per_pod_s": {n: round(c.lag_s, 4) for n, c in counters.items()},
         "sim_lag_fraction": lag / duration if duration > 0 else None,
+        "client_lag_p50_s": percentile(client_lag, 0.50),
+        "client_lag_p99_s": percentile(client_lag, 0.99),
+        "client_lag_max_s": client_lag[-1] if client_lag else None,
     }
 
 
@@ -313,7 +330,93 @@ def failed_result(reason: str, requests: int) -> dict[str, Any]:
         "max_over_mean_load": None,
         "status": "failed",
         "failure": reason,
+        "client_lag_p50_s": None,
+        "client_lag_p99_s": None,
+        "client_lag_max_s": None,
     }
+
+
+# -- repeats -------------------------------------------------------------------------------
+
+
+def policy_orders(policies: Sequence[Policy], repeats: int) -> list[list[Policy]]:
+    """The order of the policies in each repeat: as given, then reversed, then as
+    given, ... (A B C, C B A, A B C): every policy runs early and late alike."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, not {repeats!r}")
+    return [list(policies) if i % 2 == 0 else list(reversed(policies)) for i in range(repeats)]
+
+
+def _is_number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _mean(values: Sequence[float]) -> float:
+    mean = math.fsum(values) / len(values)
+    if all(isinstance(v, int) for v in values) and mean.is_integer():
+        return int(mean)
+    return mean
+
+
+def _worst_status(results: Sequence[dict[str, Any]]) -> str:
+    statuses = {r.get("status") for r in results}
+    for status in ("failed", "errors"):
+        if status in statuses:
+            return status
+    return "ok"
+
+
+def combine_repeats(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's result over N repeats (each a `summarize` or `failed_result`):
+
+    - a number: the mean over the repeats, with `<key>_ci95` beside it, the half-width
+      of its 95% confidence interval (bench/stats.py `ci95`: Student's t with N - 1
+      degrees of freedom); None for both when a repeat has no value for it (a failed
+      run), since a mean over the others would hide the failure;
+    - a mapping of numbers per pod (`load_per_pod`, ...): the mean per pod (a missing
+      pod counts 0), None when a repeat has none; `error_kinds`: the counts over all
+      repeats (a failed run's lost requests are in `errors`, not here);
+    - `status`: the worst (failed, errors, ok); `failure`: each failed repeat's;
+    - `repeats`: every repeat's own result (its `records_file` among them).
+    """
+    if not results:
+        raise ValueError("no repeats to combine")
+    keys: list[str] = []
+    for result in results:
+        keys += [k for k in result if k not in keys]
+    combined: dict[str, Any] = {}
+    for key in keys:
+        values = [r.get(key) for r in results]
+        if key == "status":
+            combined[key] = _worst_status(results)
+        elif key == "failure":
+            failures = [f"repeat {i}: {v}" for i, v in enumerate(values, 1) if v]
+            combined[key] = "; ".join(failures) if failures else None
+        elif key == "records_file":
+            continue
+        elif any(_is_number(v) for v in values):
+            known = [v for v in values if _is_number(v)]
+            if len(known) == len(values):
+                combined[key] = _mean(known)
+                combined[f"{key}_ci95"] = ci95(known)
+            else:
+                combined[key] = None
+                combined[f"{key}_ci95"] = None
+        elif (maps := [v for v in values if isinstance(v, dict)]) and all(
+            v is None or isinstance(v, dict) for v in values
+        ):
+            names = [n for v in maps for n in v]
+            per_pod = {n: [v.get(n, 0) for v in maps] for n in dict.fromkeys(names)}
+            if key == "error_kinds":
+                combined[key] = {n: sum(counts) for n, counts in per_pod.items()}
+            elif len(maps) < len(values):
+                combined[key] = None
+            else:
+                combined[key] = {n: _mean(counts) for n, counts in per_pod.items()}
+        else:
+            combined[key] = values[0] if all(v == values[0] for v in values) else values
+    combined["repeats"] = list(results)
+    return combined
 
 
 # -- one policy ----------------------------------------------------------------------------
@@ -472,15 +575,35 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
     )
     ladder = []
     started = time.monotonic()
+    repeats = options.repeats
     for arrivals in options.ladder:
         rung: dict[str, Any] = {"arrivals": arrivals.to_json(), "label": arrivals.label()}
+        orders = policy_orders(options.policies, repeats)
+        runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in options.policies}
+        for repeat, order in enumerate(orders, 1):
+            tag = ""
+            if repeats > 1:
+                tag = f"repeat {repeat}/{repeats}"
+                print(f"{arrivals.label()}, {tag}: {', '.join(p.name for p in order)}", flush=True)
+            for policy in order:
+                workdir = options.out / "runs" / _slug(arrivals.label()) / _slug(policy.name)
+                if repeats > 1:
+                    workdir = workdir / f"repeat-{repeat}"
+                result = run_policy(policy, arrivals, workload, options, workdir)
+                result.update(policy.describe())
+                runs[policy.name].append(result)
+                print(_one_line(policy.name, arrivals, result, tag), flush=True)
         results: dict[str, Any] = {}
         for policy in options.policies:
-            workdir = options.out / "runs" / _slug(arrivals.label()) / _slug(policy.name)
-            result = run_policy(policy, arrivals, workload, options, workdir)
-            result.update(policy.describe())
-            results[policy.name] = result
-            print(_one_line(policy.name, arrivals, result), flush=True)
+            if repeats == 1:
+                results[policy.name] = runs[policy.name][0]
+                continue
+            combined = combine_repeats(runs[policy.name])
+            combined.update(policy.describe())
+            results[policy.name] = combined
+            print(_one_line(policy.name, arrivals, combined, f"mean of {repeats}"), flush=True)
+        # The order the policies actually ran in, one list per repeat.
+        rung["policy_order"] = [[p.name for p in order] for order in orders]
         rung["policies"] = results
         ladder.append(rung)
     document = {
@@ -499,6 +622,7 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
             "seed": options.seed,
             "request_timeout_s": options.request_timeout_s,
             "max_error_rate": options.max_error_rate,
+            "repeats": repeats,
         },
         "workload": {**workload.describe(), "prompt_tokens": bounds.prompt_tokens},
         "oracle": bounds.to_json(),
@@ -517,15 +641,25 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _one_line(name: str, arrivals: Arrivals, result: dict[str, Any]) -> str:
+def _with_ci(result: dict[str, Any], key: str, spec: str) -> str:
+    text = _fmt(result.get(key), spec)
+    ci = result.get(f"{key}_ci95")
+    return text if ci is None else f"{text} ± {format(ci, spec)}"
+
+
+def _one_line(name: str, arrivals: Arrivals, result: dict[str, Any], tag: str = "") -> str:
+    where = arrivals.label() + (f", {tag}" if tag else "")
     if result["status"] == "failed" and result.get("ok_requests") is None:
-        return f"  {name} ({arrivals.label()}): FAILED: {result['failure']}"
+        return f"  {name} ({where}): FAILED: {result['failure']}"
     line = (
-        f"  {name} ({arrivals.label()}): hit rate {_fmt(result['hit_rate'], '.3f')},"
-        f" TTFT p50 {_fmt(result['ttft_p50_s'], '.3f')} s"
-        f" p90 {_fmt(result['ttft_p90_s'], '.3f')} s,"
-        f" {_fmt(result['throughput_rps'], '.2f')} req/s, errors {result['errors']},"
-        f" sim lag {_fmt(result.get('sim_lag_max_s'), '.2f')} s"
+        f"  {name} ({where}): hit rate {_with_ci(result, 'hit_rate', '.3f')},"
+        f" TTFT p50 {_with_ci(result, 'ttft_p50_s', '.3f')} s"
+        f" p90 {_with_ci(result, 'ttft_p90_s', '.3f')} s,"
+        f" {_with_ci(result, 'throughput_rps', '.2f')} req/s, errors {_fmt(result['errors'], 'g')},"
+        f" sim lag {_fmt(result.get('sim_lag_max_s'), '.2f')} s,"
+        f" client lag p50 {_fmt(result.get('client_lag_p50_s'), '.3f')} s"
+        f" p99 {_fmt(result.get('client_lag_p99_s'), '.3f')} s"
+        f" max {_fmt(result.get('client_lag_max_s'), '.3f')} s"
     )
     if result["status"] == "failed":
         line += f"  FAILED: {result['failure']}"

@@ -1,4 +1,5 @@
-"""The benchmark's statistics: one percentile for every result file.
+"""The benchmark's statistics: one percentile for every result file, and the 95%
+confidence interval of a mean over repeated runs.
 
 Each measurement used to carry its own percentile (nearest rank rounded, nearest
 rank rounded up, the sample at floor(q·n), linear interpolation), so the same
@@ -9,14 +10,30 @@ then be recomputed from its raw samples with numpy, and tests/bench/test_stats.p
 checks that the two agree exactly.
 
 numpy itself is not used: it is only installed as a plotting dependency, and the
-samples here are short Python lists.
+samples here are short Python lists. Neither is scipy (not a dependency): the t
+quantiles of the confidence interval are a table, checked in the tests against the
+t distribution integrated numerically.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+# Student's t distribution's 0.975 quantile, t_{0.975, df}, for df = 1..30
+# (`scipy.stats.t.ppf(0.975, df)` to 7 decimals): a two-sided 95% interval.
+T_975 = (
+    12.7062047, 4.3026527, 3.1824463, 2.7764451, 2.5705818,
+    2.4469119, 2.3646243, 2.3060041, 2.2621572, 2.2281389,
+    2.2009852, 2.1788128, 2.1603687, 2.1447867, 2.1314495,
+    2.1199053, 2.1098156, 2.1009220, 2.0930241, 2.0859634,
+    2.0796138, 2.0738731, 2.0686576, 2.0638986, 2.0595386,
+    2.0555294, 2.0518305, 2.0484071, 2.0452296, 2.0422725,
+)  # fmt: skip
+# Above 30 degrees of freedom, the normal distribution's 0.975 quantile (t_{0.975, 31}
+# is 2.040, so the interval is then up to 4% narrow).
+Z_975 = 1.96
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -75,3 +92,22 @@ def latency_ms(seconds: Iterable[float]) -> dict[str, float]:
         "p99_ms": in_ms(percentile(ordered, 0.99)),
         "mean_ms": in_ms(statistics.fmean(ordered) if ordered else None),
     }
+
+
+def t_975(df: int) -> float:
+    """Student's t 0.975 quantile with `df` degrees of freedom (df >= 1): the table
+    T_975 up to 30, 1.96 above."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, not {df!r}")
+    return T_975[df - 1] if df <= len(T_975) else Z_975
+
+
+def ci95(values: Sequence[float]) -> float | None:
+    """The half-width of the 95% confidence interval of the mean of `values` (N
+    independent repeats of a measurement): `t_{0.975, N-1} * s / sqrt(N)`, with s the
+    sample standard deviation (N - 1 in its denominator). The interval is
+    mean +/- ci95. None for fewer than 2 values (no spread to estimate)."""
+    n = len(values)
+    if n < 2:
+        return None
+    return t_975(n - 1) * statistics.stdev(values) / math.sqrt(n)

@@ -34,6 +34,7 @@ Workloads (lengths in tokens):
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import json
@@ -369,8 +370,7 @@ def trace(
     def block(hash_id: int) -> list[str]:
         found = blocks.get(hash_id)
         if found is None:
-            rng = random.Random(f"trace:{seed}:{hash_id}")
-            found = blocks[hash_id] = rng.choices(words.words, k=TRACE_BLOCK_TOKENS)
+            found = blocks[hash_id] = trace_block_words(words, seed, hash_id)
         return found
 
     start = min(r.timestamp_ms for r in records)
@@ -385,15 +385,28 @@ def trace(
         )
         arrival = (record.timestamp_ms - start) / 1000.0 / speed
         sessions.append(Session(i, record.hash_ids[0] if record.hash_ids else -1, (turn,), arrival))
-    params = {
+    params = trace_params(path, limit, speed, max_input_len, seed, len(records))
+    return Workload("trace", params, tuple(sessions))
+
+
+def trace_block_words(words: Words, seed: int, hash_id: int) -> list[str]:
+    """The words of a trace's 512-token block: drawn from (seed, hash id), so that
+    equal ids give equal text in every replay (`bench run` and the lab alike)."""
+    return random.Random(f"trace:{seed}:{hash_id}").choices(words.words, k=TRACE_BLOCK_TOKENS)
+
+
+def trace_params(
+    path: Path, limit: int | None, speed: float, max_input_len: int | None, seed: int, records: int
+) -> dict[str, Any]:
+    """How a trace replay was made, for the results file."""
+    return {
         "trace": str(path),
         "limit": limit,
         "speed": speed,
         "max_input_len": max_input_len,
         "seed": seed,
-        "records": len(records),
+        "records": records,
     }
-    return Workload("trace", params, tuple(sessions))
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -442,3 +455,83 @@ class WorkloadSpec:
                 raise ValueError("the trace workload needs a trace file (--trace FILE)")
             return trace(words, self.trace_path, seed=self.seed, **options)
         raise ValueError(f"unknown workload {self.name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+# -- the command line ------------------------------------------------------------------------
+
+# Which workload takes which option (`bench run` and `bench lab` flags, by their
+# argparse dest), and the option's name in the generator above.
+WORKLOAD_OPTIONS: dict[str, dict[str, str]] = {
+    "shared-prefix": {
+        "groups": "groups",
+        "prompts_per_group": "prompts_per_group",
+        "system_len": "system_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
+    "hot-prefix": {
+        "groups": "groups",
+        "requests": "requests",
+        "hot_share": "hot_share",
+        "system_len": "system_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
+    "multi-turn": {
+        "conversations": "conversations",
+        "turns": "turns",
+        "system_len": "system_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+        "think_time": "think_s",
+    },
+    "trace": {"trace_limit": "limit", "trace_speed": "speed", "max_input_len": "max_input_len"},
+}
+ALL_WORKLOAD_OPTIONS = sorted({k for opts in WORKLOAD_OPTIONS.values() for k in opts})
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload shape flags `bench run` and `bench lab` share."""
+    shape = parser.add_argument_group("workload shape (tokens; defaults are the workload's)")
+    shape.add_argument("--groups", type=int)
+    shape.add_argument("--prompts-per-group", type=int)
+    shape.add_argument("--requests", type=int, help="hot-prefix: total requests")
+    shape.add_argument("--hot-share", type=float, help="hot-prefix: the hot group's share")
+    shape.add_argument("--conversations", type=int)
+    shape.add_argument("--turns", type=int)
+    shape.add_argument("--think-time", type=float, help="multi-turn: seconds between turns")
+    shape.add_argument("--system-len", type=int)
+    shape.add_argument("--question-len", type=int)
+    shape.add_argument("--output-len", type=int)
+    shape.add_argument("--trace", type=Path, help="Mooncake-style JSONL trace to replay")
+    shape.add_argument("--trace-limit", type=int, help="replay only the first N records")
+    shape.add_argument("--trace-speed", type=float, help="replay N times faster")
+    shape.add_argument("--max-input-len", type=int, help="trace: cut longer prompts")
+
+
+def tokenizer_from_arg(value: str | None) -> Path | None:
+    """`--tokenizer`: a directory, 'builtin' (None: the simulator's own), or absent
+    (the Qwen2.5 one of the workspace's test data when present)."""
+    if value == "builtin":
+        return None
+    if value is not None:
+        return Path(value).resolve()
+    return default_tokenizer_dir()
+
+
+def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    """The workload the shape flags ask for; ValueError naming flags that do not apply."""
+    given = {k: getattr(args, k) for k in ALL_WORKLOAD_OPTIONS if getattr(args, k) is not None}
+    allowed = WORKLOAD_OPTIONS[args.workload]
+    wrong = sorted(k for k in given if k not in allowed)
+    if wrong:
+        names = ", ".join("--" + k.replace("_", "-") for k in wrong)
+        raise ValueError(f"{names} do(es) not apply to the {args.workload} workload")
+    if args.workload == "trace" and args.trace is None:
+        raise ValueError("the trace workload needs --trace FILE")
+    return WorkloadSpec(
+        args.workload,
+        seed=args.seed,
+        options={allowed[k]: v for k, v in given.items()},
+        trace_path=args.trace,
+    )

@@ -17,7 +17,6 @@ metrics or without LoRA state are in neither group.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -39,7 +38,7 @@ class LoraAffinityFilter:
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.clock = context.clock
         self.threshold = params.threshold
-        self._rng = random.Random(params.seed)
+        self._rng = context.rng(params.seed)
 
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]

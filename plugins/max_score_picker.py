@@ -7,7 +7,6 @@ With `maxNumOfEndpoints` > 1 the next best follow as fallbacks for Envoy's retri
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from epp.datastore import Endpoint
@@ -19,7 +18,7 @@ class MaxScorePicker:
 
     def __init__(self, params: PickerParameters, context: PluginContext) -> None:
         self.max_endpoints = params.max_num_of_endpoints
-        self._rng = random.Random(params.seed)
+        self._rng = context.rng(params.seed)
 
     def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
         if len(scored) == 1:

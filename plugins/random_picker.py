@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from epp.datastore import Endpoint
@@ -14,7 +13,7 @@ class RandomPicker:
 
     def __init__(self, params: PickerParameters, context: PluginContext) -> None:
         self.max_endpoints = params.max_num_of_endpoints
-        self._rng = random.Random(params.seed)
+        self._rng = context.rng(params.seed)
 
     def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
         count = min(self.max_endpoints, len(scored))

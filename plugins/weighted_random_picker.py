@@ -8,7 +8,6 @@ when all score 0 the choice is uniform.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from epp.datastore import Endpoint
@@ -20,7 +19,7 @@ class WeightedRandomPicker:
 
     def __init__(self, params: PickerParameters, context: PluginContext) -> None:
         self.max_endpoints = params.max_num_of_endpoints
-        self._rng = random.Random(params.seed)
+        self._rng = context.rng(params.seed)
 
     def pick(self, cycle: CycleState, scored: Sequence[ScoredEndpoint]) -> Sequence[Endpoint]:
         rng = self._rng

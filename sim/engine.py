@@ -24,6 +24,12 @@ Each step, like vLLM v1's scheduler:
 Blocks are cached when the tokens filling them are scheduled (`KVCacheManager`), so
 a request admitted later in the same step already hits them.
 
+Two layers: `EngineCore` is the scheduler loop's state and its steps, synchronous
+and driven from outside (`begin_step` schedules one step and says how long it
+takes, `finish_step` applies it at the time it ends); it reads time from the
+clock it is given. `Engine` runs a core on asyncio, sleeping through each step,
+for the HTTP server. The routing lab (`bench/lab/`) drives cores in virtual time.
+
 Time: `SimClock`. Every duration the engine computes is in simulated seconds; it
 sleeps `duration x time_scale` of wall time. Everything it reports (metrics, TTFT)
 is in simulated seconds, i.e. measured wall time divided by the time scale.
@@ -36,7 +42,7 @@ import contextlib
 import enum
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -101,6 +107,13 @@ class TokenOutput:
     error: str | None = None
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go: an asyncio.Queue for the server, anything with
+    `put_nowait` for a simulation."""
+
+    def put_nowait(self, item: TokenOutput, /) -> None: ...
+
+
 @dataclass(eq=False)
 class EngineRequest:
     request_id: str
@@ -109,7 +122,7 @@ class EngineRequest:
     # The finish reason once max_tokens are generated: "length" when the client set
     # max_tokens, "stop" when the simulated model "chose" to stop there.
     finish_reason: str
-    outputs: asyncio.Queue[TokenOutput]
+    outputs: OutputSink
     choice_index: int = 0
     # False: one output at the end with every token (no per-token wake-ups for a
     # client that waits for the whole answer anyway).
@@ -134,26 +147,40 @@ class EventSink(Protocol):
 
 
 @dataclass(frozen=True)
-class _Scheduled:
+class Scheduled:
+    """One request's share of a step: `new_tokens` computed after `context_tokens`."""
+
     request: EngineRequest
     new_tokens: int
     context_tokens: int
 
 
-class Engine:
+@dataclass(frozen=True)
+class Step:
+    """A scheduled step: what runs in it, whether scheduling preempted, how long it takes
+    (simulated seconds; 0 when nothing was scheduled)."""
+
+    scheduled: tuple[Scheduled, ...]
+    preempted: bool
+    duration: float
+
+
+class EngineCore:
+    """The engine's state and its steps, with no I/O and no sleeping: `begin_step`,
+    then `finish_step` once the step's duration has passed on `clock`."""
+
     def __init__(
         self,
         config: EngineConfig,
         answer_token_ids: Sequence[int],
         latency: LatencyModel | None = None,
-        sink: EventSink | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if not answer_token_ids:
             raise ValueError("answer_token_ids must not be empty")
         self.config = config
         self.latency = latency or LatencyModel()
-        self.sink = sink
-        self.clock = SimClock(config.time_scale)
+        self.now: Callable[[], float] = clock or SimClock(config.time_scale).now
         self.hasher = BlockHasher(
             config.hash_algo, config.hash_seed, config.block_size, config.extra_keys_format
         )
@@ -163,33 +190,18 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.stats = EngineStats()
         self.restarts = 0
-        # Bumped by restart(): a step in flight across a restart is discarded.
-        self._generation = 0
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._next_step_wall: float | None = None
         self._request_counter = 0
 
     def _new_kv_cache(self) -> KVCacheManager:
         pool = BlockPool(self.config.num_gpu_blocks, self.config.block_size)
         return KVCacheManager(pool, self.hasher)
 
-    # -- lifecycle ---------------------------------------------------------------
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="sim-engine")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def restart(self) -> None:
         """Like an engine process restart: requests fail, cache and counters are empty."""
-        self._generation += 1
         for request in [*self.waiting, *self.running]:
             request.state = RequestState.ABORTED
             request.outputs.put_nowait(
@@ -200,18 +212,27 @@ class Engine:
         self.kv = self._new_kv_cache()
         self.stats = EngineStats()
         self.restarts += 1
-        self._next_step_wall = None
-        self._wakeup.set()
 
-    async def reset_prefix_cache(self) -> bool:
-        """vLLM's /reset_prefix_cache: refused while requests hold blocks; on success
-        publishes AllBlocksCleared at once (as a batch of its own)."""
-        if not self.kv.pool.reset_prefix_cache():
-            return False
-        events = self.kv.pool.take_events()
-        if self.sink is not None:
-            await self.sink.publish(events)
-        return True
+    # -- steps -------------------------------------------------------------------
+
+    def begin_step(self) -> Step:
+        """Schedule the next step (see the module docstring) and price it."""
+        scheduled, preempted = self._schedule()
+        duration = (
+            self.latency.step_time(StepChunk(s.new_tokens, s.context_tokens) for s in scheduled)
+            if scheduled
+            else 0.0
+        )
+        return Step(tuple(scheduled), preempted, duration)
+
+    def finish_step(self, step: Step) -> None:
+        """Apply a step once its time has passed: tokens sampled, requests finished."""
+        self._update(step.scheduled)
+        self.stats.steps += 1
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events since the last call (published after each step)."""
+        return self.kv.pool.take_events()
 
     # -- requests ----------------------------------------------------------------
 
@@ -227,7 +248,7 @@ class Engine:
         prompt_token_ids: Sequence[int],
         max_tokens: int,
         finish_reason: str,
-        outputs: asyncio.Queue[TokenOutput],
+        outputs: OutputSink,
         cache_salt: str | None = None,
         choice_index: int = 0,
         stream: bool = True,
@@ -246,12 +267,12 @@ class Engine:
             choice_index=choice_index,
             stream=stream,
             prompt_len=len(prompt_token_ids),
-            arrival_time=self.clock.now(),
+            arrival_time=self.now(),
         )
         self.waiting.append(request)
         self.stats.requests_received += 1
         self.stats.prompt_tokens += len(prompt_token_ids)
-        self._wakeup.set()
+        self._on_new_work()
         return request
 
     def abort(self, request: EngineRequest) -> None:
@@ -268,59 +289,14 @@ class Engine:
         request.state = RequestState.ABORTED
         self.stats.aborted += 1
         self.stats.finished["abort"] += 1
-        self._wakeup.set()
+        self._on_new_work()
 
-    # -- the loop ----------------------------------------------------------------
+    def _on_new_work(self) -> None:
+        """Called when a request arrives or leaves; the asyncio runner wakes up."""
 
-    async def _run(self) -> None:
-        while True:
-            if not self.waiting and not self.running:
-                await self._idle()
-                continue
-            generation = self._generation
-            scheduled, preempted = self._schedule()
-            if not scheduled:
-                await self._publish(self.kv.pool.take_events())
-                if not preempted:
-                    await self._idle()
-                continue
-            duration = self.latency.step_time(
-                StepChunk(s.new_tokens, s.context_tokens) for s in scheduled
-            )
-            await self._sleep_step(duration)
-            if generation != self._generation:
-                continue  # the engine restarted during this step
-            self._update(scheduled)
-            self.stats.steps += 1
-            await self._publish(self.kv.pool.take_events())
-
-    async def _idle(self) -> None:
-        self._next_step_wall = None
-        self._wakeup.clear()
-        await self._wakeup.wait()
-
-    async def _publish(self, events: list[KVEvent]) -> None:
-        if events and self.sink is not None:
-            await self.sink.publish(events)
-
-    async def _sleep_step(self, duration: float) -> None:
-        now = time.monotonic()
-        start = now
-        if self._next_step_wall is not None:
-            start = max(self._next_step_wall, now - MAX_CATCH_UP_WALL_S)
-            # Lateness the catch-up could not absorb: simulated time lost.
-            self.stats.lag_s += max(0.0, now - MAX_CATCH_UP_WALL_S - self._next_step_wall) / (
-                self.config.time_scale
-            )
-        self.stats.busy_s += duration
-        end = start + duration * self.config.time_scale
-        self._next_step_wall = end
-        # Always yield, so HTTP handlers run between steps even when catching up.
-        await asyncio.sleep(max(0.0, end - now))
-
-    def _schedule(self) -> tuple[list[_Scheduled], bool]:
+    def _schedule(self) -> tuple[list[Scheduled], bool]:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[_Scheduled] = []
+        scheduled: list[Scheduled] = []
         preempted = False
         kv = self.kv
 
@@ -338,7 +314,7 @@ class Engine:
                     break
             if not fits:
                 break  # it was the last running request
-            scheduled.append(_Scheduled(request, new_tokens, request.num_computed_tokens))
+            scheduled.append(Scheduled(request, new_tokens, request.num_computed_tokens))
             budget -= new_tokens
             index += 1
 
@@ -362,7 +338,7 @@ class Engine:
                 request.num_cached_tokens = computed
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += computed
-            scheduled.append(_Scheduled(request, new_tokens, computed))
+            scheduled.append(Scheduled(request, new_tokens, computed))
             budget -= new_tokens
         return scheduled, preempted
 
@@ -374,8 +350,8 @@ class Engine:
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
-    def _update(self, scheduled: list[_Scheduled]) -> None:
-        now = self.clock.now()
+    def _update(self, scheduled: Sequence[Scheduled]) -> None:
+        now = self.now()
         for item in scheduled:
             request = item.request
             if request.state is not RequestState.RUNNING:
@@ -410,3 +386,99 @@ class Engine:
         request.state = RequestState.FINISHED
         self.stats.finished[reason] += 1
         self.stats.e2e.observe(now - request.arrival_time)
+
+
+class Engine(EngineCore):
+    """An `EngineCore` run on asyncio: each step sleeps its duration (times the time
+    scale) and its KV events go to `sink` as one batch after it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        answer_token_ids: Sequence[int],
+        latency: LatencyModel | None = None,
+        sink: EventSink | None = None,
+    ) -> None:
+        super().__init__(config, answer_token_ids, latency)
+        self.sink = sink
+        # Bumped by restart(): a step in flight across a restart is discarded.
+        self._generation = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._next_step_wall: float | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def restart(self) -> None:
+        self._generation += 1
+        super().restart()
+        self._next_step_wall = None
+        self._wakeup.set()
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache: refused while requests hold blocks; on success
+        publishes AllBlocksCleared at once (as a batch of its own)."""
+        if not self.kv.pool.reset_prefix_cache():
+            return False
+        events = self.kv.pool.take_events()
+        if self.sink is not None:
+            await self.sink.publish(events)
+        return True
+
+    def _on_new_work(self) -> None:
+        self._wakeup.set()
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self.waiting and not self.running:
+                await self._idle()
+                continue
+            generation = self._generation
+            step = self.begin_step()
+            if not step.scheduled:
+                await self._publish(self.take_events())
+                if not step.preempted:
+                    await self._idle()
+                continue
+            await self._sleep_step(step.duration)
+            if generation != self._generation:
+                continue  # the engine restarted during this step
+            self.finish_step(step)
+            await self._publish(self.take_events())
+
+    async def _idle(self) -> None:
+        self._next_step_wall = None
+        self._wakeup.clear()
+        await self._wakeup.wait()
+
+    async def _publish(self, events: list[KVEvent]) -> None:
+        if events and self.sink is not None:
+            await self.sink.publish(events)
+
+    async def _sleep_step(self, duration: float) -> None:
+        now = time.monotonic()
+        start = now
+        if self._next_step_wall is not None:
+            start = max(self._next_step_wall, now - MAX_CATCH_UP_WALL_S)
+            # Lateness the catch-up could not absorb: simulated time lost.
+            self.stats.lag_s += max(0.0, now - MAX_CATCH_UP_WALL_S - self._next_step_wall) / (
+                self.config.time_scale
+            )
+        self.stats.busy_s += duration
+        end = start + duration * self.config.time_scale
+        self._next_step_wall = end
+        # Always yield, so HTTP handlers run between steps even when catching up.
+        await asyncio.sleep(max(0.0, end - now))

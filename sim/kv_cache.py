@@ -63,15 +63,36 @@ class BlockPool:
             raise ValueError("num_gpu_blocks must be >= 2 (block 0 is reserved)")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
-        self.blocks = [KVBlock(i) for i in range(num_gpu_blocks)]
-        self.null_block = self.blocks[0]
-        # Insertion-ordered: head = next block to hand out (and evict). An
+        # vLLM's free queue starts as every block in id order; blocks go back to its
+        # tail when freed. So the blocks never handed out yet are always at its head,
+        # in id order, and are taken before any freed one: they are kept as a
+        # counter (`_fresh`, the next one's id) and created when first taken, and the
+        # queue (`_free`) holds the freed blocks only. A pool of 27,000 blocks then
+        # costs nothing until it is used.
+        self._created: list[KVBlock] = [KVBlock(0)]
+        self.null_block = self._created[0]
+        self._fresh = 1
+        # Insertion-ordered: head = next freed block to hand out (and evict). An
         # OrderedDict gives O(1) removal from the middle, needed by touch().
-        self._free: OrderedDict[int, KVBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[bytes, dict[int, KVBlock]] = {}
         self._events: list[KVEvent] = []
+
+    @property
+    def blocks(self) -> list[KVBlock]:
+        """Every block, by id (those never used are created now; for tests and reset)."""
+        created = self._created
+        created.extend(KVBlock(i) for i in range(len(created), self.num_gpu_blocks))
+        return created
+
+    def _take_fresh(self) -> KVBlock:
+        block_id = self._fresh
+        self._fresh += 1
+        if block_id < len(self._created):
+            return self._created[block_id]
+        block = KVBlock(block_id)
+        self._created.append(block)
+        return block
 
     # -- accounting -------------------------------------------------------------
 
@@ -81,25 +102,25 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_gpu_blocks - self._fresh + len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self._free)
+        return self.num_usable_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         return sum(len(copies) for copies in self._cached.values())
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_usable_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def cached_hashes(self) -> set[bytes]:
         return set(self._cached)
 
     def free_queue_ids(self) -> list[int]:
         """Block ids in eviction order (for tests and /sim/state)."""
-        return list(self._free)
+        return [*range(self._fresh, self.num_gpu_blocks), *self._free]
 
     # -- operations ------------------------------------------------------------
 
@@ -120,12 +141,15 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[KVBlock]:
         """Take `count` blocks from the head of the free queue, evicting their hashes."""
-        if count > len(self._free):
-            raise ValueError(f"cannot allocate {count} blocks: only {len(self._free)} free")
+        if count > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} free")
         taken = []
         for _ in range(count):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            if self._fresh < self.num_gpu_blocks:
+                block = self._take_fresh()
+            else:
+                _, block = self._free.popitem(last=False)
+                self._evict(block)
             block.ref_cnt += 1
             taken.append(block)
         return taken
@@ -172,9 +196,10 @@ class BlockPool:
         """Forget every cached hash; refused (False) while any block is held."""
         if self.num_used_blocks != 0:
             return False
+        for copies in self._cached.values():
+            for block in copies.values():
+                block.block_hash = None
         self._cached.clear()
-        for block in self.blocks:
-            block.block_hash = None
         self._events.append(AllBlocksCleared())
         return True
 
@@ -255,6 +280,15 @@ class KVCacheManager:
         (which include the hit blocks' tokens), and cache the blocks those tokens fill.
 
         Returns False, changing nothing, when the pool is short of free blocks."""
+        if not hit_blocks:
+            # The common case, a decode step: no prefix hits, and often no new block.
+            total = num_computed_tokens + num_new_tokens
+            if -(-total // self.block_size) <= len(seq.blocks):
+                num_full = min(total, len(seq.token_ids)) // self.block_size
+                if num_full > seq.num_cached_blocks:
+                    self.pool.cache_full_blocks(seq, seq.num_cached_blocks, num_full)
+                    seq.num_cached_blocks = num_full
+                return True
         hits = hit_blocks or []
         if hits and seq.blocks:
             raise ValueError("prefix hits are only taken by a sequence holding no blocks")

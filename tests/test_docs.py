@@ -92,7 +92,7 @@ def test_the_docs_do_cite_result_files() -> None:
 def test_a_missing_citation_names_the_doc_line_and_path() -> None:
     doc = ROOT / "docs" / "example.md"  # read from `text`, never written
     text = (
-        "Fine: [report](results/soak-60min/report.md), `docs/results/pick.json`.\n"
+        "Fine: [report](results/soak-60min/report.md), `docs/results/pick/run-1.json`.\n"
         "Gone: [report](results/no-such-run/report.md).\n"
         "python -m bench.profile_study docs/results/default-profile/{shared-prefix,nope}\n"
         "Outside the results: [x](kubernetes.md), https://example.com/results/x.\n"
@@ -100,7 +100,7 @@ def test_a_missing_citation_names_the_doc_line_and_path() -> None:
     found = [(n, w) for n, w, _ in citations(doc, text)]
     assert found == [
         (1, "results/soak-60min/report.md"),
-        (1, "docs/results/pick.json"),
+        (1, "docs/results/pick/run-1.json"),
         (2, "results/no-such-run/report.md"),
         (3, "docs/results/default-profile/shared-prefix"),
         (3, "docs/results/default-profile/nope"),

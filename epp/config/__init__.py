@@ -81,10 +81,12 @@ def load_config(
     observe: ObserveFactory = no_observe,
     settings: ServerSettings | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    seed: int | None = None,
 ) -> SchedulingConfig:
     """Validate `text` and build its scheduling configuration, or raise
     `InvalidConfig` listing every error found. `clock` is the time the built
-    plugins and services decide by (a simulation passes its virtual clock)."""
+    plugins and services decide by (a simulation passes its virtual clock);
+    `seed` seeds every plugin that draws at random and has no seed of its own."""
     document = read_yaml(text, source)
     resources = BuildResources(
         datastore=datastore if datastore is not None else Datastore(),
@@ -92,6 +94,7 @@ def load_config(
         observe=observe,
         settings=settings if settings is not None else ServerSettings(),
         clock=clock,
+        seed=seed,
     )
     try:
         validated = validate(document.data, registry)

@@ -18,6 +18,7 @@ the whole config is built (epp/reload.py) and the plugins only read them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from epp.scheduling.interfaces import (
     Service,
     ServiceContext,
     ServiceFactory,
+    Sleep,
 )
 from epp.scheduling.scheduler import Scheduler, SchedulerProfile, Slot, WeightedScorer
 
@@ -92,6 +94,10 @@ class BuildResources:
     observe: ObserveFactory
     settings: ServerSettings
     clock: Clock = SYSTEM_CLOCK
+    # How plugins wait (`PluginContext.sleep`); handed to them unchanged.
+    sleep: Sleep = asyncio.sleep
+    # The run's seed (`PluginContext.seed`); None: plugins draw unseeded.
+    seed: int | None = None
 
 
 def build(config: CompleteConfig, resources: BuildResources) -> SchedulingConfig:
@@ -184,7 +190,9 @@ class _Plugins:
                 plugins=dict(self.built),
                 settings=r.settings,
                 clock=r.clock,
+                sleep=r.sleep,
                 service=service,
+                seed=r.seed,
             )
             plugin = decl.plugin_class(decl.parameters, context)
         except Exception as exc:

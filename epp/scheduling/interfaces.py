@@ -17,8 +17,9 @@ Rules every plugin follows:
 - `filter`, `score`, `pick`, `pre_request` and `post_response` run on the event loop
   of every request: they must be quick and must not block. Slow work (tokenizing,
   I/O) goes in `DataProducer.prepare`, which is async, or in a `Service`.
-- Time is read from `PluginContext.clock` and randomness comes from a seed, so the
-  same plugin decides the same way on the wall clock and in a simulation.
+- Time is read from `PluginContext.clock`, a plugin that waits awaits
+  `PluginContext.sleep`, and randomness comes from a seed, so the same plugin
+  decides the same way on the wall clock and in a simulation.
 - `/debug/explain` runs admission, data producers, filters, scorers and pickers
   exactly as a real pick does, but never `pre_request` or `post_response`. So
   anything a pick must change (a speculative index entry, a session table) belongs
@@ -38,7 +39,9 @@ profiles (filters -> scorers -> picker) -> in-flight count and `PreRequest` ->
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Protocol, runtime_checkable
 
@@ -57,6 +60,10 @@ from epp.scheduling.types import (
     SchedulingResult,
     ScoredEndpoint,
 )
+
+Sleep = Callable[[float], Awaitable[None]]
+"""Waits the given seconds: `asyncio.sleep` on the wall clock, a simulation's own
+awaitable on virtual time (`PluginContext.sleep`)."""
 
 METRICS: Final = "metrics"
 """Data a plugin may consume (its `consumes` class attribute): the model-server
@@ -147,9 +154,27 @@ class PluginContext:
     settings: ServerSettings = field(default_factory=ServerSettings)
     # The time every decision is made at: read it here, never from the time module.
     clock: Clock = SYSTEM_CLOCK
+    # How a plugin waits (burst-prefix-cache-producer's batch window): await this,
+    # never asyncio.sleep itself, so that a simulation on a virtual `clock` can hand
+    # in a sleep that ends when its virtual time has moved on. Paired with `clock`:
+    # a plugin that waits reads the time it waited from `clock`.
+    sleep: Sleep = asyncio.sleep
     # The service the plugin class declared (its `Service` attribute), built from
     # the same parameters; None for plugins that declare none.
     service: Service | None = None
+    # The run's seed (the routing lab's --seed, a test's): a plugin that draws at
+    # random and has no `seed` parameter of its own draws from `rng()`, seeded by
+    # this and its name, so that a whole run repeats exactly. None: unseeded.
+    seed: int | None = None
+
+    def rng(self, own_seed: int | None = None) -> random.Random:
+        """The plugin's random generator: seeded by its own `seed` parameter if it
+        has one, else by the run's seed and the plugin's name, else afresh."""
+        if own_seed is not None:
+            return random.Random(own_seed)
+        if self.seed is not None:
+            return random.Random(f"{self.seed}:{self.name}")
+        return random.Random()
 
 
 @runtime_checkable

@@ -1,0 +1,204 @@
+"""The EPP side of the lab: the real scheduling code, fed as production feeds it.
+
+Built exactly as `epp serve` builds it (the config loader, the plugin registry's
+entry points, the datastore, the director), on the lab's virtual clock. What the
+lab does instead of the network:
+
+- **Picks** go through `Director.pick_endpoint` with the request body a client
+  would send, parsed by the EPP's own parser. A data producer that awaits (the
+  precise scorer tokenizing in a worker thread) runs on a private asyncio loop
+  until it is done; no virtual time passes meanwhile (the pick's time is the
+  `route_s` delay).
+- **Ends**: `Director.finish` with the usage the engine reports, when the response
+  has ended at the client (in-flight counts and post-response plugins).
+- **Metrics**: every pod is scraped every `metrics_interval_s`, each pod at its own
+  phase of the interval; a scrape reads the pod's state at that moment and lands
+  in the datastore `metrics_latency_s` later. The datastore is brought up to date
+  only when a pick is about to read it, which is when it matters.
+- **KV events**: a step's events are encoded as the engine publishes them
+  (vLLM's msgpack), decoded by the EPP's own decoder and applied through the
+  precise service's real ingestion, `kv_event_s` after the step ended. Only when
+  the config has a precise prefix service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.lab.loop import EventLoop
+from bench.lab.pod import LabPod
+from epp.config import load_config
+from epp.datastore import Datastore, EndpointMetrics, EndpointSpec
+from epp.director import Decision, Director
+from epp.errors import EppError
+from epp.kvindex.events import decode_batch
+from epp.kvindex.service import PrecisePrefixService
+from epp.requests import parse_request
+from epp.scheduling.registry import PluginRegistry
+from epp.scheduling.types import ResponseInfo, Usage
+from epp.telemetry import Telemetry
+from sim.kv_events import EventBatchEncoder, KVEvent
+
+_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Delays:
+    """How stale what the EPP sees is, in virtual seconds (docs/lab.md says where
+    each default comes from)."""
+
+    # Client -> Envoy -> EPP pick -> Envoy -> engine: the request reaches its pod
+    # this long after it was sent.
+    route_s: float = 0.0045
+    # Engine first token / last token -> the client (and the EPP's end of stream).
+    response_s: float = 0.0005
+    # A step's KV events: published after the step, applied to the index.
+    kv_event_s: float = 0.001
+    # The metrics scrape period (GIE's --refresh-metrics-interval default) and
+    # how long a scrape's answer takes to reach the datastore.
+    metrics_interval_s: float = 0.05
+    metrics_latency_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"delay {name} must be a finite number >= 0, got {value}")
+        if self.metrics_interval_s <= 0:
+            raise ValueError("metrics_interval_s must be > 0")
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class LabEpp:
+    """One EPP process's scheduling side over the lab's pods."""
+
+    def __init__(
+        self,
+        config_text: str,
+        source: str,
+        pods: Sequence[LabPod],
+        loop: EventLoop,
+        delays: Delays,
+        seed: int,
+        registry: PluginRegistry,
+    ) -> None:
+        self.loop = loop
+        self.delays = delays
+        self.pods = list(pods)
+        self.datastore = Datastore()
+        self.datastore.replace_all(EndpointSpec(p.name, p.address) for p in pods)
+        self.endpoints = [self.datastore.get(p.name) for p in pods]
+        self._by_name = {p.name: p for p in pods}
+        telemetry = Telemetry(self.datastore)
+        self.config = load_config(
+            config_text,
+            registry,
+            source=source,
+            datastore=self.datastore,
+            clock=loop.clock,
+            seed=seed,
+        )
+        self.director = Director(self.datastore, self.config, telemetry, clock=loop.clock)
+        self.precise = [
+            s for s in self.config.services.values() if isinstance(s, PrecisePrefixService)
+        ]
+        self._aio = asyncio.new_event_loop()
+        for service in self.precise:
+            self._aio.run_until_complete(service.tokenizers.load())
+        self._encoder = EventBatchEncoder()
+        rng = random.Random(f"lab-scrape-phases:{seed}")
+        self._phases = [rng.uniform(0.0, delays.metrics_interval_s) for _ in pods]
+        self._scraped = [-1] * len(self.pods)
+        self._block_size = pods[0].core.config.block_size if pods else 0
+        self._num_blocks = pods[0].core.config.num_gpu_blocks if pods else 0
+        self.picks = 0
+        self.refusals: dict[str, int] = {}
+
+    def close(self) -> None:
+        for service in self.precise:
+            service.tokenizers.close()
+        self._aio.close()
+
+    # -- KV events -----------------------------------------------------------------------
+
+    @property
+    def wants_events(self) -> bool:
+        return bool(self.precise)
+
+    def on_events(self, pod: LabPod, events: Sequence[KVEvent]) -> None:
+        payload = self._encoder.encode(self.loop.now(), events)
+        endpoint = self.endpoints[pod.index]
+        assert endpoint is not None
+
+        def deliver() -> None:
+            batch = decode_batch(payload)
+            for service in self.precise:
+                service.feed(endpoint, batch)
+
+        self.loop.after(self.delays.kv_event_s, deliver)
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def _refresh_metrics(self) -> None:
+        """Every pod's metrics as of its latest scrape that has landed by now."""
+        now = self.loop.now()
+        interval = self.delays.metrics_interval_s
+        latency = self.delays.metrics_latency_s
+        for i, pod in enumerate(self.pods):
+            k = math.floor((now - latency - self._phases[i]) / interval)
+            if k < 0 or k == self._scraped[i]:
+                continue
+            self._scraped[i] = k
+            taken = self._phases[i] + k * interval
+            state = pod.state_at(taken)
+            self.datastore.set_metrics(
+                pod.name,
+                EndpointMetrics(
+                    waiting_requests=state.waiting,
+                    running_requests=state.running,
+                    kv_cache_usage=state.kv_usage,
+                    block_size=self._block_size,
+                    num_gpu_blocks=self._num_blocks,
+                    updated_at=taken + latency,
+                ),
+            )
+
+    # -- requests ------------------------------------------------------------------------
+
+    def pick(self, request_id: str, path: str, body: bytes) -> Decision | None:
+        """The EPP's decision for one request now, or None when it refused it (counted
+        in `refusals` by the error's status)."""
+        self._refresh_metrics()
+        self.picks += 1
+        try:
+            request = parse_request(
+                request_id=request_id, method="POST", path=path, headers=_HEADERS, body=body
+            )
+            return self._aio.run_until_complete(self.director.pick_endpoint(request))
+        except EppError as error:
+            key = f"{error.status} {type(error).__name__}"
+            self.refusals[key] = self.refusals.get(key, 0) + 1
+            return None
+
+    def finish(self, decision: Decision, usage: Usage | None, completed: bool = True) -> None:
+        self.director.finish(
+            decision,
+            ResponseInfo(
+                completed=completed,
+                status=200 if completed else None,
+                usage=usage,
+                duration_s=self.loop.now() - decision.picked_at,
+            ),
+        )
+
+    def pod_of(self, decision: Decision) -> LabPod:
+        return self._by_name[decision.endpoint.name]
+
+    def describe(self) -> dict[str, Any]:
+        return {"picks": self.picks, "refusals": dict(self.refusals)}

@@ -1,0 +1,175 @@
+"""The lab's report: report.md with a table of mean ± 95% CI per policy, and plots
+(TTFT CDFs pooled over seeds, requests per pod over time, hit rate with its CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def _pm(result: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    value, ci = result.get(key), result.get(f"{key}_ci95")
+    if value is None:
+        return "-"
+    text = format(value * scale, spec)
+    return text if ci is None else f"{text} ± {format(ci * scale, spec)}"
+
+
+def table(policies: dict[str, Any]) -> list[str]:
+    lines = [
+        "| policy | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s"
+        " | max/mean load | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in policies.items():
+        lines.append(
+            f"| {name} | {_pm(r, 'hit_rate', '.3f')} | {_pm(r, 'ttft_p50_s', '.1f', 1000)}"
+            f" | {_pm(r, 'ttft_p90_s', '.1f', 1000)} | {_pm(r, 'ttft_p99_s', '.1f', 1000)}"
+            f" | {_pm(r, 'throughput_rps', '.2f')} | {_pm(r, 'max_over_mean_load', '.2f')}"
+            f" | {_pm(r, 'errors', '.1f')} |"
+        )
+    return lines
+
+
+def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
+    setup = document["setup"]
+    workload = document["workload"]
+    oracle = document.get("oracle")
+    lines = [
+        f"# Routing lab: {workload['name']}, {setup['pods']} pods, {setup['load_label']}",
+        "",
+        "Produced by:",
+        "",
+        "```sh",
+        document["command"],
+        "```",
+        "",
+        f"- {workload['requests']} requests, {setup['seeds']} seeds ({setup['seed_list']}),"
+        f" every policy from a cold fleet on each seed; capacity (no cache hit) "
+        f"{setup['capacity_rps']:.2f} req/s, offered {setup['rate_rps']:.2f} req/s"
+        f" (load {setup['load']:.2f})",
+        f"- delays (virtual s): {', '.join(f'{k} {v:g}' for k, v in setup['delays'].items())}",
+        f"- engine: blocks of {setup['engine']['block_size']} tokens,"
+        f" {setup['engine']['num_gpu_blocks']} blocks per pod,"
+        f" max_num_seqs {setup['engine']['max_num_seqs']},"
+        f" max_num_batched_tokens {setup['engine']['max_num_batched_tokens']}",
+        f"- commit {document['commit'][:12]}{' (dirty)' if document['dirty'] else ''};"
+        f" {document['machine']['cpus']} CPUs; wall time {document['wall_seconds']:.0f} s",
+        "",
+        "Mean over seeds ± the 95% confidence half-width (Student t). Times are virtual"
+        " seconds shown in ms; TTFT counts from each request's scheduled arrival to its"
+        " first token at the client. Hit rate = prefix-cache hit tokens / prompt tokens,"
+        " from the engines' own counters.",
+        "",
+        *table(document["policies"]),
+        "",
+    ]
+    if oracle:
+        lines += [
+            f"Bounds (first seed's requests, blocks of {oracle['block_size']}): h* ="
+            f" {oracle['h_star']:.3f} (every request reuses the longest prefix any earlier"
+            f" request left); h_random = {oracle['h_random']:.3f} (uniformly random routing,"
+            " infinite caches).",
+            "",
+        ]
+    speed = ", ".join(
+        f"{name} {r['wall_s']:.1f} s" for name, r in document["policies"].items() if r.get("wall_s")
+    )
+    lines += [f"Wall time per run (mean over seeds): {speed}.", ""]
+    if plots:
+        lines += ["## Plots", "", *[f"![{Path(p).stem}]({p})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def plot_ttft_cdf(document: dict[str, Any], out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in document["policies"].items():
+        values = sorted(v for run in r["runs"] for v in run["ttfts_s"])
+        if not values:
+            continue
+        n = len(values)
+        ax.plot([v * 1000 for v in values], [(i + 1) / n for i in range(n)], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, virtual time, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT, all seeds pooled")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=110)
+    plt.close(fig)
+    return "ttft_cdf.png"
+
+
+def plot_hit_rate(document: dict[str, Any], out: Path) -> str:
+    names = list(document["policies"])
+    values = [document["policies"][n]["hit_rate"] or 0.0 for n in names]
+    errors = [document["policies"][n].get("hit_rate_ci95") or 0.0 for n in names]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, values, yerr=errors, capsize=4)
+    oracle = document.get("oracle")
+    if oracle:
+        ax.axhline(oracle["h_star"], color="black", linestyle="--", label="h*")
+        ax.legend()
+    ax.set_ylabel("prefix-cache hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Hit rate (mean ± 95% CI over seeds)")
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / "hit_rate.png", dpi=110)
+    plt.close(fig)
+    return "hit_rate.png"
+
+
+def plot_load(document: dict[str, Any], out: Path) -> str:
+    """Requests picked per pod per time bucket, first seed, one panel per policy."""
+    policies = document["policies"]
+    pods = document["setup"]["pods"]
+    fig, axes = plt.subplots(len(policies), 1, figsize=(7, 2.2 * len(policies)), squeeze=False)
+    for ax, (name, r) in zip(axes[:, 0], policies.items(), strict=True):
+        picks = r["runs"][0]["picks"]
+        if not picks:
+            continue
+        end = max(t for t, _ in picks) or 1.0
+        buckets = 40
+        width = end / buckets
+        counts = [[0] * buckets for _ in range(pods)]
+        for t, pod in picks:
+            counts[pod][min(int(t / width), buckets - 1)] += 1
+        xs = [(i + 0.5) * width for i in range(buckets)]
+        for pod in range(pods):
+            ax.plot(xs, [c / width for c in counts[pod]], linewidth=0.8)
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("req/s per pod", fontsize=8)
+    axes[-1, 0].set_xlabel("virtual time (s)")
+    fig.tight_layout()
+    fig.savefig(out / "load_per_pod.png", dpi=110)
+    plt.close(fig)
+    return "load_per_pod.png"
+
+
+def write_outputs(document: dict[str, Any], out: Path) -> list[str]:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    plots = [plot_ttft_cdf(document, out), plot_hit_rate(document, out), plot_load(document, out)]
+    slim = {
+        **document,
+        "policies": {
+            name: {**r, "runs": [_slim(run) for run in r["runs"]]}
+            for name, r in document["policies"].items()
+        },
+    }
+    (out / "results.json").write_text(json.dumps(slim, indent=2) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(report_markdown(document, plots), encoding="utf-8")
+    return plots
+
+
+def _slim(run: dict[str, Any]) -> dict[str, Any]:
+    """A run as results.json keeps it: without the raw TTFTs and picks (plots have them)."""
+    return {k: v for k, v in run.items() if k not in ("ttfts_s", "picks")}

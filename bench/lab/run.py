@@ -1,0 +1,544 @@
+"""One lab run (a policy, a workload, a seed) and the statistics over seeds.
+
+A run: fresh pods (empty caches), a fresh router, the workload's sessions started
+at their arrival times (Poisson at the run's rate, seeded as `bench run` seeds
+them, or the trace's own timestamps scaled), each turn picked by the router when
+it is sent, handed to its pod `route_s` later, and its next turn sent when the
+answer is complete (plus think time). TTFT and end-to-end latency are counted from
+the moment the request was due to be sent (the lab's client never falls behind),
+to the moment the client sees the first and last token.
+
+The result has `bench run`'s keys (`bench.runner.summarize`, from the same kind of
+records and pod counters), plus the lab's own: wall time, events run, the virtual
+duration and what the router refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from bench.bounds import Bounds, compute_bounds
+from bench.client import Record, RunTiming
+from bench.lab.epp import Delays, LabEpp
+from bench.lab.loop import EventLoop
+from bench.lab.peers import DynamoKv, SglangCacheAware
+from bench.lab.pod import LabPod
+from bench.lab.workload import (
+    LabSession,
+    LabTurn,
+    LabWorkload,
+    PromptIds,
+    capacity_rps,
+    from_workload,
+    trace_workload,
+)
+from bench.provenance import provenance
+from bench.runner import PodCounters, resolve_policy, summarize
+from bench.stack import ROOT
+from bench.stats import ci95
+from bench.workloads import Words, WorkloadSpec, answer_ids, load_words
+from epp.clock import VirtualClock
+from epp.scheduling.registry import PluginRegistry
+from epp.scheduling.types import Usage
+from sim.engine import EngineConfig, EngineRequest, TokenOutput
+from sim.kv_events import KVEvent
+from sim.latency import LatencyModel
+
+PATH = "/v1/chat/completions"
+# Keys averaged over seeds, each with its `_ci95` beside it.
+MEAN_KEYS = (
+    "hit_rate",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "ttft_mean_s",
+    "e2e_p50_s",
+    "e2e_p90_s",
+    "e2e_p99_s",
+    "throughput_rps",
+    "output_tokens_per_s",
+    "max_over_mean_load",
+    "errors",
+    "preemptions",
+    "duration_s",
+    "wall_s",
+)
+
+
+class Router(Protocol):
+    """What the lab asks of a routing policy: the EPP (`LabEpp`) or a peer's model."""
+
+    @property
+    def wants_events(self) -> bool: ...
+
+    def on_events(self, pod: LabPod, events: Sequence[KVEvent]) -> None: ...
+
+    def route(
+        self, request_id: str, body: bytes, prompt: Sequence[int]
+    ) -> tuple[LabPod, Any] | None:
+        """The pod for this request now and a handle for `end`, or None (refused)."""
+        ...
+
+    def first_token(self, handle: Any) -> None:
+        """The request's first token reached the client."""
+        ...
+
+    def end(self, handle: Any, usage: Usage | None, completed: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class EppRouter:
+    """The EPP's real scheduling code as a lab router."""
+
+    def __init__(self, epp: LabEpp) -> None:
+        self.epp = epp
+
+    @property
+    def wants_events(self) -> bool:
+        return self.epp.wants_events
+
+    def on_events(self, pod: LabPod, events: Sequence[KVEvent]) -> None:
+        self.epp.on_events(pod, events)
+
+    def route(
+        self, request_id: str, body: bytes, prompt: Sequence[int]
+    ) -> tuple[LabPod, Any] | None:
+        decision = self.epp.pick(request_id, PATH, body)
+        if decision is None:
+            return None
+        return self.epp.pod_of(decision), decision
+
+    def first_token(self, handle: Any) -> None:
+        pass  # the EPP learns nothing at the first token (lean or full, it waits for the end)
+
+    def end(self, handle: Any, usage: Usage | None, completed: bool) -> None:
+        self.epp.finish(handle, usage, completed)
+
+    def close(self) -> None:
+        self.epp.close()
+
+    def describe(self) -> dict[str, Any]:
+        return self.epp.describe()
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    pods: int
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    delays: Delays = field(default_factory=Delays)
+
+
+class _Request:
+    """One turn in flight: its record, and the engine's outputs as they come."""
+
+    __slots__ = (
+        "engine_request",
+        "first",
+        "handle",
+        "pod",
+        "record",
+        "run",
+        "scheduled",
+        "session",
+        "turn_index",
+    )
+
+    def __init__(self, run: LabRun, session: LabSession, turn_index: int, scheduled: float) -> None:
+        self.run = run
+        self.session = session
+        self.turn_index = turn_index
+        self.scheduled = scheduled
+        self.record = Record(
+            session=session.id,
+            turn=turn_index,
+            group=session.group,
+            scheduled_s=scheduled,
+            sent_s=scheduled,
+        )
+        self.handle: Any = None
+        self.pod: LabPod | None = None
+        self.engine_request: EngineRequest | None = None
+        self.first = True
+
+    def put_nowait(self, output: TokenOutput) -> None:
+        now = self.run.loop.now()
+        seen = now + self.run.fleet.delays.response_s
+        if output.error is not None:
+            self.run.loop.at(seen, lambda: self.run.failed(self, f"engine: {output.error}"))
+            return
+        if self.first:
+            self.first = False
+            self.record.ttft_s = seen - self.scheduled
+            self.run.loop.at(seen, lambda: self.run.router.first_token(self.handle))
+        if output.finish_reason is not None:
+            self.run.loop.at(seen, lambda: self.run.done(self))
+
+
+class LabRun:
+    def __init__(
+        self,
+        router: Router,
+        pods: Sequence[LabPod],
+        loop: EventLoop,
+        fleet: FleetSpec,
+        workload: LabWorkload,
+        starts: Sequence[float],
+    ) -> None:
+        self.router = router
+        self.pods = pods
+        self.loop = loop
+        self.fleet = fleet
+        self.workload = workload
+        self.starts = starts
+        self.records: list[Record] = []
+        self.timing = RunTiming()
+        self.picks: list[tuple[float, int]] = []  # (time, pod index), for the load plot
+        self._ids = 0
+
+    def start(self) -> None:
+        for session, start in zip(self.workload.sessions, self.starts, strict=True):
+            self.loop.at(start, functools.partial(self.send, session, 0, start))
+
+    def send(self, session: LabSession, index: int, scheduled: float) -> None:
+        turn: LabTurn = session.turns[index]
+        request = _Request(self, session, index, scheduled)
+        self.records.append(request.record)
+        self.timing.first_sent = min(self.timing.first_sent, scheduled)
+        body, prompt = turn.build()
+        self._ids += 1
+        routed = self.router.route(f"lab-{self._ids}", body, prompt)
+        if routed is None:
+            request.record.error = "refused: the router answered with an error"
+            self.timing.last_done = max(self.timing.last_done, self.loop.now())
+            return
+        pod, request.handle = routed
+        request.pod = pod
+        self.picks.append((self.loop.now(), pod.index))
+
+        def arrive() -> None:
+            if len(prompt) + turn.max_tokens > pod.core.max_model_len:
+                self.failed(request, "400: longer than the engine's max_model_len")
+                return
+            request.engine_request = pod.submit(prompt, turn.max_tokens, request)
+
+        self.loop.after(self.fleet.delays.route_s, arrive)
+
+    def failed(self, request: _Request, reason: str) -> None:
+        request.record.error = reason
+        self.timing.last_done = max(self.timing.last_done, self.loop.now())
+        self.router.end(request.handle, None, completed=False)
+
+    def done(self, request: _Request) -> None:
+        now = self.loop.now()
+        record = request.record
+        engine_request = request.engine_request
+        assert engine_request is not None
+        assert request.pod is not None
+        record.ok = True
+        record.status = 200
+        record.e2e_s = now - request.scheduled
+        record.pod = request.pod.name
+        record.prompt_tokens = engine_request.prompt_len
+        record.cached_tokens = engine_request.num_cached_tokens or 0
+        record.output_tokens = len(engine_request.output_token_ids)
+        self.timing.last_done = max(self.timing.last_done, now)
+        usage = Usage(record.prompt_tokens, record.output_tokens, record.cached_tokens)
+        self.router.end(request.handle, usage, completed=True)
+        session = request.session
+        if request.turn_index + 1 < len(session.turns):
+            at = now + session.think_s
+            self.loop.at(at, lambda: self.send(session, request.turn_index + 1, at))
+
+
+def start_times(workload: LabWorkload, rate: float | None, seed: int) -> list[float]:
+    """Each session's start: the trace's (already scaled) timestamps, or Poisson
+    arrivals at `rate` drawn exactly as `bench run` draws them for the same seed."""
+    if rate is None:
+        return [s.arrival_s or 0.0 for s in workload.sessions]
+    if math.isinf(rate):
+        return [0.0] * len(workload.sessions)
+    rng = random.Random(f"arrivals:{seed}:{rate!r}")
+    now = 0.0
+    times = []
+    for _ in workload.sessions:
+        now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+RouterFactory = Callable[[Sequence[LabPod], EventLoop, "FleetSpec", int], Router]
+
+
+def run_once(
+    make_router: RouterFactory,
+    workload: LabWorkload,
+    fleet: FleetSpec,
+    answer_token_ids: Sequence[int],
+    rate: float | None,
+    seed: int,
+) -> dict[str, Any]:
+    """One policy on one seed, from cold; its `bench run`-shaped summary plus the
+    lab's own keys and the raw TTFTs (`ttfts_s`) and picks over time (`picks`)."""
+    wall = time.perf_counter()
+    clock = VirtualClock(0.0)
+    loop = EventLoop(clock)
+    pods = [
+        LabPod(i, fleet.engine, answer_token_ids, loop, fleet.latency) for i in range(fleet.pods)
+    ]
+    router: Router = make_router(pods, loop, fleet, seed)
+    try:
+        if router.wants_events:
+            for pod in pods:
+                pod.on_events = router.on_events
+        run = LabRun(router, pods, loop, fleet, workload, start_times(workload, rate, seed))
+        run.start()
+        loop.run()
+        counters = {
+            pod.name: PodCounters(
+                queries=pod.core.stats.prefix_cache_queries,
+                hits=pod.core.stats.prefix_cache_hits,
+                prompt_tokens=pod.core.stats.prompt_tokens,
+                generation_tokens=pod.core.stats.generation_tokens,
+                preemptions=pod.core.stats.preemptions,
+                requests=pod.core.stats.requests_received,
+                busy_s=pod.busy_s,
+            )
+            for pod in pods
+        }
+        result = summarize(run.records, run.timing, counters, 1.0, max_error_rate=1.0)
+        result["router"] = router.describe()
+    finally:
+        router.close()
+    result["wall_s"] = time.perf_counter() - wall
+    result["events_run"] = loop.actions_run
+    result["virtual_end_s"] = clock()
+    result["busy_fraction"] = (
+        sum(p.busy_s for p in pods) / (len(pods) * result["duration_s"])
+        if result["duration_s"]
+        else None
+    )
+    result["ttfts_s"] = sorted(r.ttft_s for r in run.records if r.ok and r.ttft_s is not None)
+    result["picks"] = run.picks
+    return result
+
+
+def over_seeds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of each of `MEAN_KEYS` over the runs (one per seed), with its 95% CI
+    half-width as `<key>_ci95`; None where a run has no value."""
+    out: dict[str, Any] = {"seeds": len(runs)}
+    for key in MEAN_KEYS:
+        values = [r.get(key) for r in runs]
+        known = [float(v) for v in values if v is not None]
+        if len(known) < len(values) or not known:
+            out[key], out[f"{key}_ci95"] = None, None
+            continue
+        out[key] = statistics.fmean(known)
+        out[f"{key}_ci95"] = ci95(known)
+    out["requests"] = runs[0]["requests"] if runs else 0
+    out["status"] = "ok" if all(r["status"] == "ok" for r in runs) else "errors"
+    return out
+
+
+# -- the whole lab run ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LabOptions:
+    workload: WorkloadSpec
+    policies: tuple[str, ...]
+    fleet: FleetSpec
+    seeds: tuple[int, ...]
+    load: float | None  # a fraction of capacity; or
+    rate: float | None  # requests/s; neither: a trace's own timestamps
+    tokenizer: Path | None
+    out: Path
+    command: str
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class LabPolicy:
+    """A config file run by the EPP's real code, or a peer's model (bench/lab/peers.py)."""
+
+    name: str
+    config: Path | None = None
+
+    def describe(self) -> dict[str, Any]:
+        if self.config is None:
+            return {"kind": "model", "model": self.name}
+        return {"kind": "epp", "config": str(self.config.resolve().relative_to(ROOT))}
+
+    def router_factory(self, registry: PluginRegistry) -> RouterFactory:
+        if self.config is None:
+            return PEER_MODELS[self.name]
+        text = self.config.read_text(encoding="utf-8")
+        source = str(self.config)
+
+        def make(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
+            return EppRouter(LabEpp(text, source, pods, loop, fleet.delays, seed, registry))
+
+        return make
+
+
+def _sglang(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
+    return SglangCacheAware(pods, seed)
+
+
+def _dynamo(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
+    return DynamoKv(pods, loop, fleet.delays.kv_event_s, seed)
+
+
+PEER_MODELS: dict[str, RouterFactory] = {"sglang-cache-aware": _sglang, "dynamo-kv": _dynamo}
+
+
+def resolve_lab_policy(spec: str) -> LabPolicy:
+    """A peer model's name, a config file or a name in manifests/config/ (the real
+    routers of `bench run` are not run in the lab)."""
+    if spec in PEER_MODELS:
+        return LabPolicy(spec)
+    policy = resolve_policy(spec)
+    if policy.kind != "epp" or policy.config is None:
+        raise ValueError(
+            f"{spec}: the lab runs EndpointPickerConfig files and the models of peers"
+            f" ({', '.join(PEER_MODELS)}); the real peer routers run in `python -m bench run`"
+        )
+    return LabPolicy(policy.name, policy.config)
+
+
+def build_workload(spec: WorkloadSpec, words: Words, seed: int) -> LabWorkload:
+    if spec.name == "trace":
+        if spec.trace_path is None:
+            raise ValueError("the trace workload needs a trace file (--trace FILE)")
+        return trace_workload(spec.trace_path, words, seed=seed, **spec.options)
+    return from_workload(replace(spec, seed=seed).build(words), words)
+
+
+def _bounds(workload: LabWorkload, words: Words, fleet: FleetSpec) -> Bounds | None:
+    source = workload.source
+    if source is None:
+        return None  # a trace: too long to enumerate here
+    builder = PromptIds(words)
+    answers: dict[int, list[int]] = {}
+
+    def sequences() -> Iterator[tuple[list[int], list[int]]]:
+        for turn in source.nominal_order():
+            found = answers.get(turn.max_tokens)
+            if found is None:
+                found = answers[turn.max_tokens] = answer_ids(words.tokenizer, turn.max_tokens)
+            yield builder.ids(turn.messages), found
+
+    return compute_bounds(sequences(), fleet.engine.block_size, fleet.pods)
+
+
+def run_lab(options: LabOptions) -> dict[str, Any]:
+    """Every policy on every seed; writes results.json, report.md and plots."""
+    from bench.lab.report import write_outputs
+
+    started = time.monotonic()
+    policies = [resolve_lab_policy(p) for p in options.policies]
+    names = [p.name for p in policies]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a policy is named twice: {', '.join(names)}")
+    words = load_words(options.tokenizer)
+    answer = answer_ids(words.tokenizer, 4096)
+    registry = PluginRegistry.from_entry_points()
+    latency = options.fleet.latency
+    workloads = {seed: build_workload(options.workload, words, seed) for seed in options.seeds}
+    first = workloads[options.seeds[0]]
+    capacity = capacity_rps(first, options.fleet.pods, latency)
+    if options.rate is not None:
+        rate: float | None = options.rate
+    elif options.load is not None:
+        rate = options.load * capacity
+    else:
+        rate = None
+    if options.workload.name == "trace" and rate is not None:
+        # A trace keeps its own arrival pattern, scaled in time to the asked rate.
+        starts = [s.arrival_s or 0.0 for s in first.sessions]
+        span = max(starts) - min(starts)
+        natural = len(starts) / span if span > 0 else math.inf
+        speed = rate / natural
+        workloads = {
+            seed: replace(
+                w, sessions=[replace(s, arrival_s=(s.arrival_s or 0.0) / speed) for s in w.sessions]
+            )
+            for seed, w in workloads.items()
+        }
+        arrival_rate: float | None = None
+    else:
+        arrival_rate = rate
+    offered = rate if rate is not None else _natural_rate(first)
+    bounds = _bounds(first, words, options.fleet)
+    factories = {p.name: p.router_factory(registry) for p in policies}
+    runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in policies}
+    total = len(policies) * len(options.seeds)
+    with tqdm(total=total, disable=not options.progress, unit="run") as bar:
+        for i, seed in enumerate(options.seeds):
+            # Alternate the order of policies from seed to seed, as `bench run` does.
+            order = policies if i % 2 == 0 else list(reversed(policies))
+            for policy in order:
+                bar.set_description(f"{policy.name} seed {seed}")
+                result = run_once(
+                    factories[policy.name],
+                    workloads[seed],
+                    options.fleet,
+                    answer,
+                    arrival_rate,
+                    seed,
+                )
+                result["seed"] = seed
+                result.update(policy.describe())
+                runs[policy.name].append(result)
+                bar.update()
+    results = {name: {**over_seeds(rs), "runs": rs} for name, rs in runs.items()}
+    fleet = options.fleet
+    document = {
+        "schema": 1,
+        **provenance(options.command),
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "setup": {
+            "pods": fleet.pods,
+            "seeds": len(options.seeds),
+            "seed_list": list(options.seeds),
+            "load": offered / capacity,
+            "load_label": f"load {offered / capacity:.2f}",
+            "rate_rps": offered,
+            "capacity_rps": capacity,
+            "capacity_definition": "docs/lab.md#capacity",
+            "engine": asdict(fleet.engine),
+            "latency_model": asdict(fleet.latency),
+            "delays": fleet.delays.to_json(),
+            "tokenizer": str(options.tokenizer) if options.tokenizer else "builtin",
+        },
+        "workload": first.describe(),
+        "oracle": bounds.to_json() if bounds is not None else None,
+        "policies": results,
+    }
+    write_outputs(document, options.out)
+    return document
+
+
+def _natural_rate(workload: LabWorkload) -> float:
+    starts = [s.arrival_s or 0.0 for s in workload.sessions]
+    span = max(starts) - min(starts) if starts else 0.0
+    return len(starts) / span if span > 0 else math.inf
+
+
+def _scaled(workload: LabWorkload, speed: float) -> LabWorkload:
+    """A trace replayed `speed` times faster."""
+    sessions = [replace(s, arrival_s=(s.arrival_s or 0.0) / speed) for s in workload.sessions]
+    return replace(workload, sessions=sessions)

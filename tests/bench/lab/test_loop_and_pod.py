@@ -1,0 +1,85 @@
+"""The lab's event loop and its simulated pods in virtual time."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.lab.loop import EventLoop
+from bench.lab.pod import LabPod
+from epp.clock import VirtualClock
+from sim.engine import EngineConfig, TokenOutput
+from sim.kv_events import BlockStored, KVEvent
+from sim.latency import LatencyModel
+
+
+def test_actions_run_in_time_order_and_ties_in_the_order_scheduled() -> None:
+    loop = EventLoop(VirtualClock(0.0))
+    seen: list[tuple[str, float]] = []
+    loop.at(2.0, lambda: seen.append(("b", loop.now())))
+    loop.at(1.0, lambda: seen.append(("a", loop.now())))
+    loop.at(2.0, lambda: seen.append(("c", loop.now())))
+    # An action may schedule more, also in the past (it then runs now).
+    loop.at(1.5, lambda: loop.at(0.0, lambda: seen.append(("late", loop.now()))))
+    loop.run()
+    assert seen == [("a", 1.0), ("late", 1.5), ("b", 2.0), ("c", 2.0)]
+    assert loop.now() == 2.0
+
+
+class Collect:
+    def __init__(self, loop: EventLoop) -> None:
+        self.loop = loop
+        self.times: list[float] = []
+        self.outputs: list[TokenOutput] = []
+
+    def put_nowait(self, output: TokenOutput) -> None:
+        self.times.append(self.loop.now())
+        self.outputs.append(output)
+
+
+def pod_with(loop: EventLoop, events: list[tuple[float, list[KVEvent]]]) -> LabPod:
+    return LabPod(
+        0,
+        EngineConfig(block_size=16, num_gpu_blocks=200),
+        [7, 8, 9],
+        loop,
+        LatencyModel(),
+        on_events=lambda pod, batch: events.append((loop.now(), list(batch))),
+    )
+
+
+def test_a_request_takes_the_latency_models_time_and_caches_its_blocks() -> None:
+    latency = LatencyModel()
+    loop = EventLoop(VirtualClock(10.0))
+    events: list[tuple[float, list[KVEvent]]] = []
+    pod = pod_with(loop, events)
+    out = Collect(loop)
+    prompt = list(range(100, 164))  # 4 blocks
+    request = pod.submit(prompt, 3, out)
+    loop.run()
+    # First token after one prefill step, then two decode steps.
+    assert out.times[0] == pytest.approx(10.0 + latency.prefill_time(64))
+    assert len(out.outputs) == 3
+    assert out.outputs[-1].finish_reason == "length"
+    assert request.first_token_time == pytest.approx(out.times[0])
+    stored = [e for _, batch in events for e in batch if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in stored) == 4  # the prompt's 4 full blocks
+    # The same prompt again hits 3 of them (the last token is always computed).
+    again = pod.submit(prompt, 1, Collect(loop))
+    loop.run()
+    assert again.num_cached_tokens == 48
+
+
+def test_state_at_reads_the_state_a_scrape_would_have_seen() -> None:
+    loop = EventLoop(VirtualClock(0.0))
+    pod = pod_with(loop, [])
+    assert pod.state_at(0.0).waiting == 0
+    loop.at(1.0, lambda: [pod.submit(list(range(i, i + 40)), 50, Collect(loop)) for i in (0, 500)])
+    loop.run()
+    assert pod.state_at(0.5).running == 0
+    # The first request started a step at once; the second waits for the next one.
+    assert pod.state_at(1.0).running == 1
+    assert pod.state_at(1.0).waiting == 1
+    assert pod.state_at(1.0).kv_usage > 0
+    first_step = LatencyModel().prefill_time(40)
+    assert pod.state_at(1.0 + first_step).running == 2
+    assert pod.state_at(loop.now()).running == 0  # all done
