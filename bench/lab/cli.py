@@ -60,7 +60,27 @@ def add_parser(commands: Any) -> None:
     engine.add_argument("--max-model-len", type=int, help="default: sim's")
     defaults = Delays()
     delays = lab.add_argument_group("what the EPP sees, and how late (virtual seconds)")
-    delays.add_argument("--route-delay", type=float, default=defaults.route_s)
+    delays.add_argument(
+        "--route-delay", type=float, default=defaults.route_s, help="through Envoy and the EPP"
+    )
+    delays.add_argument(
+        "--peer-route-delay",
+        type=float,
+        default=defaults.peer_route_s,
+        help="through a peer router's model",
+    )
+    delays.add_argument(
+        "--pod-overhead",
+        type=float,
+        default=defaults.pod_overhead_s,
+        help="in the pod before the engine takes the request",
+    )
+    delays.add_argument(
+        "--pod-overhead-per-token",
+        type=float,
+        default=defaults.pod_overhead_per_token_s,
+        help="per prompt token the pod's prefix cache does not hold",
+    )
     delays.add_argument("--response-delay", type=float, default=defaults.response_s)
     delays.add_argument("--kv-event-delay", type=float, default=defaults.kv_event_s)
     delays.add_argument("--metrics-interval", type=float, default=defaults.metrics_interval_s)
@@ -92,6 +112,9 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         spec = spec_from_args(args)
         delays = Delays(
             route_s=args.route_delay,
+            peer_route_s=args.peer_route_delay,
+            pod_overhead_s=args.pod_overhead,
+            pod_overhead_per_token_s=args.pod_overhead_per_token,
             response_s=args.response_delay,
             kv_event_s=args.kv_event_delay,
             metrics_interval_s=args.metrics_interval,

@@ -49,12 +49,23 @@ _HEADERS = {"content-type": "application/json"}
 
 @dataclass(frozen=True)
 class Delays:
-    """How stale what the EPP sees is, in virtual seconds (docs/lab.md says where
-    each default comes from)."""
+    """How stale what the EPP sees is, and what the real stack adds to a request
+    outside the engine, in virtual seconds. The defaults are measured on the real
+    stack (`python -m bench.lab.calibrate`, docs/lab.md says which figure each one is)."""
 
-    # Client -> Envoy -> EPP pick -> Envoy -> engine: the request reaches its pod
-    # this long after it was sent.
+    # Through Envoy and the EPP's pick: what that path adds over sending straight to
+    # the pod (round-robin 4.1, default 4.8, precise-prefix 4.5 ms + 10 us per
+    # prompt token of tokenizing).
     route_s: float = 0.0045
+    # Through a peer router's model: the algorithm only, no transport.
+    peer_route_s: float = 0.0
+    # In the pod before the engine takes the request (HTTP, parsing, chat template,
+    # tokenizing), and the way back of the first and last token: 3.0 ms measured
+    # straight to a simulated pod, less `response_s`; plus, per prompt token the
+    # pod's prefix cache does not hold, the tokenizing of text the pod has not seen
+    # (its tokenizer remembers the messages it tokenized): 9.2 us measured.
+    pod_overhead_s: float = 0.0025
+    pod_overhead_per_token_s: float = 9.2e-6
     # Engine first token / last token -> the client (and the EPP's end of stream).
     response_s: float = 0.0005
     # A step's KV events: published after the step, applied to the index.

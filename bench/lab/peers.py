@@ -80,6 +80,7 @@ class SglangCacheAware:
         balance_rel_threshold: float = 1.5,
     ) -> None:
         self.pods = list(pods)
+        self.route_delay_s = 0.0
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
@@ -156,6 +157,7 @@ class DynamoKv:
         self, pods: Sequence[LabPod], loop: EventLoop, kv_event_s: float, seed: int
     ) -> None:
         self.pods = list(pods)
+        self.route_delay_s = 0.0
         self.loop = loop
         self.kv_event_s = kv_event_s
         engine = pods[0].core.config

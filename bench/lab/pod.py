@@ -84,6 +84,12 @@ class LabPod:
             self._start_step()
         return request
 
+    def uncached_tokens(self, prompt_token_ids: Sequence[int]) -> int:
+        """Prompt tokens the pod's prefix cache does not hold now."""
+        kv = self.core.kv
+        hits = kv.find_prefix_hit(kv.new_sequence(list(prompt_token_ids)))
+        return len(prompt_token_ids) - len(hits) * self.core.config.block_size
+
     # -- steps ------------------------------------------------------------------------
 
     def _start_step(self) -> None:

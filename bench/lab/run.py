@@ -78,6 +78,9 @@ MEAN_KEYS = (
 class Router(Protocol):
     """What the lab asks of a routing policy: the EPP (`LabEpp`) or a peer's model."""
 
+    # What the router's path adds before the request reaches its pod.
+    route_delay_s: float
+
     @property
     def wants_events(self) -> bool: ...
 
@@ -105,6 +108,7 @@ class EppRouter:
 
     def __init__(self, epp: LabEpp) -> None:
         self.epp = epp
+        self.route_delay_s = epp.delays.route_s
 
     @property
     def wants_events(self) -> bool:
@@ -233,9 +237,16 @@ class LabRun:
             if len(prompt) + turn.max_tokens > pod.core.max_model_len:
                 self.failed(request, "400: longer than the engine's max_model_len")
                 return
+            delays = self.fleet.delays
+            overhead = delays.pod_overhead_s
+            if delays.pod_overhead_per_token_s:
+                overhead += delays.pod_overhead_per_token_s * pod.uncached_tokens(prompt)
+            self.loop.after(overhead, submit)
+
+        def submit() -> None:
             request.engine_request = pod.submit(prompt, turn.max_tokens, request)
 
-        self.loop.after(self.fleet.delays.route_s, arrive)
+        self.loop.after(self.router.route_delay_s, arrive)
 
     def failed(self, request: _Request, reason: str) -> None:
         request.record.error = reason
@@ -395,11 +406,15 @@ class LabPolicy:
 
 
 def _sglang(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
-    return SglangCacheAware(pods, seed)
+    router = SglangCacheAware(pods, seed)
+    router.route_delay_s = fleet.delays.peer_route_s
+    return router
 
 
 def _dynamo(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
-    return DynamoKv(pods, loop, fleet.delays.kv_event_s, seed)
+    router = DynamoKv(pods, loop, fleet.delays.kv_event_s, seed)
+    router.route_delay_s = fleet.delays.peer_route_s
+    return router
 
 
 PEER_MODELS: dict[str, RouterFactory] = {"sglang-cache-aware": _sglang, "dynamo-kv": _dynamo}

@@ -1,0 +1,50 @@
+"""The arithmetic of the lab's fidelity table and of its delay calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.lab.calibrate import _fit
+from bench.lab.fidelity import Case, compare, markdown
+
+CASE = Case("shared-prefix", {}, 10.0)
+
+
+def test_a_line_through_two_medians() -> None:
+    fixed, per_token = _fit({2048: 0.0230, 128: 0.0038})
+    assert fixed == pytest.approx(0.00252)
+    assert per_token == pytest.approx(1e-5)
+
+
+def real(hit: float, p50: float, p90: float) -> dict[str, float]:
+    return {"hit_rate": hit, "ttft_p50_s": p50, "ttft_p90_s": p90, "sim_lag_max_s": 0.0}
+
+
+def test_the_tolerances_of_the_fidelity_table() -> None:
+    close = compare(CASE, "default", real(0.80, 0.020, 0.050), real(0.82, 0.024, 0.040), False)
+    assert close["hit_rate_ok"]
+    assert close["ttft_ok"]
+    assert close["ttft_p50_s_ratio"] == pytest.approx(1.2)
+    # Hit rate off by 0.04: too far for one of ours, close enough for a peer's model.
+    assert not compare(CASE, "x", real(0.80, 0.02, 0.05), real(0.84, 0.02, 0.05), False)[
+        "hit_rate_ok"
+    ]
+    assert compare(CASE, "x", real(0.80, 0.02, 0.05), real(0.84, 0.02, 0.05), True)["hit_rate_ok"]
+    # One TTFT percentile 30% off fails the row's TTFT.
+    far = compare(CASE, "x", real(0.8, 0.020, 0.050), real(0.8, 0.020, 0.035), False)
+    assert not far["ttft_ok"]
+    # A run without TTFTs cannot pass.
+    missing = compare(CASE, "x", real(0.8, 0.02, 0.05), {"hit_rate": 0.8}, False)
+    assert not missing["ttft_ok"]
+    table = markdown(
+        {
+            "pods": 4,
+            "command": "c",
+            "commit": "0123456789abcdef",
+            "dirty": False,
+            "machine": {"cpus": 2},
+            "rows": [close, far],
+        }
+    )
+    assert "| shared-prefix (rate 10/s) | default | 0.800 | 0.820 | +0.020 | yes |" in table
+    assert table.count("| NO |") == 1
