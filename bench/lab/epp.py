@@ -54,17 +54,17 @@ class Delays:
     stack (`python -m bench.lab.calibrate`, docs/lab.md says which figure each one is)."""
 
     # Through Envoy and the EPP's pick: what that path adds over sending straight to
-    # the pod (round-robin 4.1, default 4.8, precise-prefix 4.5 ms + 10 us per
-    # prompt token of tokenizing).
-    route_s: float = 0.0045
+    # the pod (measured: round-robin 3.6, default 3.8, precise-prefix 5.1 ms + 9 us
+    # per prompt token it tokenizes).
+    route_s: float = 0.0038
     # Through a peer router's model: the algorithm only, no transport.
     peer_route_s: float = 0.0
     # In the pod before the engine takes the request (HTTP, parsing, chat template,
-    # tokenizing), and the way back of the first and last token: 3.0 ms measured
+    # tokenizing), and the way back of the first and last token: 2.7 ms measured
     # straight to a simulated pod, less `response_s`; plus, per prompt token the
     # pod's prefix cache does not hold, the tokenizing of text the pod has not seen
     # (its tokenizer remembers the messages it tokenized): 9.2 us measured.
-    pod_overhead_s: float = 0.0025
+    pod_overhead_s: float = 0.0022
     pod_overhead_per_token_s: float = 9.2e-6
     # Engine first token / last token -> the client (and the EPP's end of stream).
     response_s: float = 0.0005
