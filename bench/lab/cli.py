@@ -64,6 +64,12 @@ def add_parser(commands: Any) -> None:
         "--route-delay", type=float, default=defaults.route_s, help="through Envoy and the EPP"
     )
     delays.add_argument(
+        "--route-delay-per-token",
+        type=float,
+        default=defaults.route_per_token_s,
+        help="per prompt token the EPP tokenizes for the pick",
+    )
+    delays.add_argument(
         "--peer-route-delay",
         type=float,
         default=defaults.peer_route_s,
@@ -112,6 +118,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         spec = spec_from_args(args)
         delays = Delays(
             route_s=args.route_delay,
+            route_per_token_s=args.route_delay_per_token,
             peer_route_s=args.peer_route_delay,
             pod_overhead_s=args.pod_overhead,
             pod_overhead_per_token_s=args.pod_overhead_per_token,

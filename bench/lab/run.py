@@ -78,7 +78,7 @@ MEAN_KEYS = (
 class Router(Protocol):
     """What the lab asks of a routing policy: the EPP (`LabEpp`) or a peer's model."""
 
-    # What the router's path adds before the request reaches its pod.
+    # What the router's path adds before the last request routed reaches its pod.
     route_delay_s: float
 
     @property
@@ -121,6 +121,10 @@ class EppRouter:
         self, request_id: str, body: bytes, prompt: Sequence[int]
     ) -> tuple[LabPod, Any] | None:
         decision = self.epp.pick(request_id, PATH, body)
+        delays = self.epp.delays
+        self.route_delay_s = (
+            delays.route_s + delays.route_per_token_s * self.epp.last_tokens_encoded
+        )
         if decision is None:
             return None
         return self.epp.pod_of(decision), decision

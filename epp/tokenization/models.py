@@ -117,6 +117,10 @@ class TokenizerRegistry:
             )
         return Resolution(entry.tokenizer, adapter)
 
+    def tokens_encoded(self) -> int:
+        """Tokens the loaded tokenizers have produced so far (their cache misses)."""
+        return sum(e.tokenizer.tokens_encoded for e in self._entries.values() if e.tokenizer)
+
     def describe(self) -> dict[str, str]:
         out = {}
         for model, entry in self._entries.items():

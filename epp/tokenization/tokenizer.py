@@ -41,7 +41,7 @@ from typing import Any, Final
 from tokenizers import Tokenizer
 
 from epp.tokenization.chat_template import ChatTemplate, special_tokens
-from epp.tokenization.tokens import token_bytes
+from epp.tokenization.tokens import TOKEN_BYTES, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ class PromptTokenizer:
         self.cache_hits = 0
         self.cache_misses = 0
         self.threaded = 0  # encodings sent to a worker thread
+        # Tokens the tokenizer itself produced (cache misses), not read from the
+        # cache: what tokenizing has cost, in tokens (the routing lab charges it).
+        self.tokens_encoded = 0
 
     @classmethod
     def load(cls, name: str, directory: Path, **kwargs: Any) -> PromptTokenizer:
@@ -220,6 +223,7 @@ class PromptTokenizer:
             self.cache_misses += len(missing)
             encoded = await self._run(self._encode_many, missing, executor)
             fresh = dict(zip(missing, encoded, strict=True))
+            self.tokens_encoded += sum(map(len, encoded)) // TOKEN_BYTES
             for piece, ids in fresh.items():
                 self._remember(piece, ids)
         self.cache_hits += len(pieces) - len(missing)
@@ -244,6 +248,7 @@ class PromptTokenizer:
         data: bytes = await self._run(
             lambda t: token_bytes(self._whole(t[0], True)), [text], executor
         )
+        self.tokens_encoded += len(data) // TOKEN_BYTES
         self._remember(key, data)
         return data
 

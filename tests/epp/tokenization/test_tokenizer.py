@@ -189,9 +189,14 @@ async def test_long_uncached_text_goes_to_a_worker_thread() -> None:
     data = await tokenizer.encode(text, False)
     assert tokenizer.threaded == 1
     assert token_ids(data) == whole(tokenizer, text)
+    produced = tokenizer.tokens_encoded
+    # Every token of the text came out of the tokenizer (the special tokens are
+    # pieces of their own, also encoded once).
+    assert produced == len(token_ids(data))
     await tokenizer.encode(text, False)  # cached now: no thread, no tokenizing
     assert tokenizer.threaded == 1
     assert tokenizer.cache_hits >= 2
+    assert tokenizer.tokens_encoded == produced
 
 
 async def test_the_piece_cache_is_bounded() -> None:
