@@ -303,7 +303,8 @@ class EngineCore:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            left = len(request.seq.token_ids) - request.num_computed_tokens
+            new_tokens = left if left < budget else budget
             fits = True
             while not kv.allocate_slots(request.seq, request.num_computed_tokens, new_tokens):
                 victim = self.running.pop()
@@ -351,34 +352,45 @@ class EngineCore:
         self.stats.preemptions += 1
 
     def _update(self, scheduled: Sequence[Scheduled]) -> None:
+        # The hot loop of a simulation (once per running request and step): locals,
+        # and a generated token hashed only when it completes a block.
         now = self.now()
+        answer = self._answer
+        block_size = self.config.block_size
+        hasher = self.kv.hasher
+        stats = self.stats
         for item in scheduled:
             request = item.request
             if request.state is not RequestState.RUNNING:
                 continue  # aborted during the step
-            request.num_computed_tokens += item.new_tokens
-            if request.num_computed_tokens < request.num_tokens:
+            computed = request.num_computed_tokens + item.new_tokens
+            request.num_computed_tokens = computed
+            seq = request.seq
+            tokens = seq.token_ids
+            if computed < len(tokens):
                 continue  # a prefill chunk: no token yet
-            token = self._answer[len(request.output_token_ids) % len(self._answer)]
-            request.output_token_ids.append(token)
-            self.kv.append_tokens(request.seq, [token])
-            self.stats.generation_tokens += 1
+            generated = request.output_token_ids
+            token = answer[len(generated) % len(answer)]
+            generated.append(token)
+            tokens.append(token)
+            if len(tokens) % block_size == 0:
+                hasher.extend(seq.block_hashes, tokens, seq.cache_salt)
+            stats.generation_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
-                self.stats.ttft.observe(now - request.arrival_time)
-            done = len(request.output_token_ids) >= request.max_tokens
+                stats.ttft.observe(now - request.arrival_time)
+            done = len(generated) >= request.max_tokens
             if done:
                 request.outputs.put_nowait(
                     TokenOutput(
                         request.choice_index,
-                        (token,) if request.stream else tuple(request.output_token_ids),
+                        (token,) if request.stream else tuple(generated),
                         request.finish_reason,
                     )
                 )
+                self._finish(request, request.finish_reason, now)
             elif request.stream:
                 request.outputs.put_nowait(TokenOutput(request.choice_index, (token,)))
-            if done:
-                self._finish(request, request.finish_reason, now)
 
     def _finish(self, request: EngineRequest, reason: str, now: float) -> None:
         self.running.remove(request)
