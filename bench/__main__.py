@@ -36,7 +36,7 @@ def _rate(text: str) -> float:
 
 
 def add_run_parser(commands: Any) -> None:
-    from bench.workloads import add_shape_arguments
+    from bench.workloads import WORKLOADS, add_shape_arguments
 
     run = commands.add_parser(
         "run",
@@ -49,7 +49,7 @@ def add_run_parser(commands: Any) -> None:
     )
     run.add_argument(
         "--workload",
-        choices=("shared-prefix", "hot-prefix", "multi-turn", "trace"),
+        choices=WORKLOADS,
         default="shared-prefix",
     )
     run.add_argument(

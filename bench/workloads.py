@@ -25,6 +25,10 @@ Workloads (lengths in tokens):
   the simulator's (its answer text is fixed: the first `output_len` tokens of
   `sim.tokenizer.ANSWER_TEXT`, repeated), so the workload is known in advance and its
   bounds are exact.
+- `no-reuse`: `requests` prompts of `question_len` tokens that share nothing but
+  the chat template's opening (no system prompt of their own; Qwen's template then
+  adds its default one): what a prefix-aware router has nothing to gain on, so it
+  shows what its load balancing is worth alone.
 - `trace`: replay of a Mooncake-style JSONL trace, one request per line
   `{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`. Each hash id
   stands for a 512-token block; its words are drawn from a generator seeded by
@@ -54,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # chat template in tokenizer_config.json); without it, the simulator's built-in one.
 DEFAULT_TOKENIZER = (ROOT / ".." / "shared" / "testdata" / "tokenizers" / "qwen2_5").resolve()
 
-WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "trace")
+WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "no-reuse", "trace")
 TRACE_BLOCK_TOKENS = 512
 TRACE_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -313,6 +317,28 @@ def multi_turn(
     return Workload("multi-turn", params, tuple(sessions))
 
 
+def no_reuse(
+    words: Words,
+    *,
+    requests: int = 512,
+    question_len: int = 1024,
+    output_len: int = 256,
+    seed: int = 0,
+) -> Workload:
+    rng = random.Random(f"no-reuse:{seed}")
+    sessions = tuple(
+        Session(i, -1, (Turn((("user", words.text(rng, question_len)),), output_len),))
+        for i in range(requests)
+    )
+    params = {
+        "requests": requests,
+        "question_len": question_len,
+        "output_len": output_len,
+        "seed": seed,
+    }
+    return Workload("no-reuse", params, sessions)
+
+
 @dataclass(frozen=True)
 class TraceRecord:
     timestamp_ms: float
@@ -450,6 +476,8 @@ class WorkloadSpec:
             return hot_prefix(words, seed=self.seed, **options)
         if self.name == "multi-turn":
             return multi_turn(words, seed=self.seed, **options)
+        if self.name == "no-reuse":
+            return no_reuse(words, seed=self.seed, **options)
         if self.name == "trace":
             if self.trace_path is None:
                 raise ValueError("the trace workload needs a trace file (--trace FILE)")
@@ -485,6 +513,11 @@ WORKLOAD_OPTIONS: dict[str, dict[str, str]] = {
         "output_len": "output_len",
         "think_time": "think_s",
     },
+    "no-reuse": {
+        "requests": "requests",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
     "trace": {"trace_limit": "limit", "trace_speed": "speed", "max_input_len": "max_input_len"},
 }
 ALL_WORKLOAD_OPTIONS = sorted({k for opts in WORKLOAD_OPTIONS.values() for k in opts})
@@ -495,7 +528,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_argument_group("workload shape (tokens; defaults are the workload's)")
     shape.add_argument("--groups", type=int)
     shape.add_argument("--prompts-per-group", type=int)
-    shape.add_argument("--requests", type=int, help="hot-prefix: total requests")
+    shape.add_argument("--requests", type=int, help="hot-prefix, no-reuse: total requests")
     shape.add_argument("--hot-share", type=float, help="hot-prefix: the hot group's share")
     shape.add_argument("--conversations", type=int)
     shape.add_argument("--turns", type=int)

@@ -73,6 +73,21 @@ def test_hot_prefix_gives_the_hot_group_its_share(builtin_words: Words) -> None:
         hot_prefix(builtin_words, hot_share=1.5)
 
 
+def test_no_reuse_prompts_share_nothing_but_the_template(qwen_words: Words) -> None:
+    workload = WorkloadSpec("no-reuse", options={"requests": 20, "question_len": 64}).build(
+        qwen_words
+    )
+    assert workload.num_requests == 20
+    prompts = [prompt_ids(qwen_words.tokenizer, s.turns[0]) for s in workload.sessions]
+    assert all(len(p) == len(prompts[0]) for p in prompts)
+    # The template's opening (Qwen's adds its default system prompt) is all they
+    # share: after it, no two agree on the next 16 tokens.
+    head = next(i for i, (a, b) in enumerate(zip(*prompts[:2], strict=False)) if a != b)
+    assert 0 < head < 64
+    assert all(p[:head] == prompts[0][:head] for p in prompts)
+    assert len({tuple(p[head : head + 16]) for p in prompts}) == 20
+
+
 def test_multi_turn_resends_its_history_with_the_simulator_s_answers(
     qwen_words: Words,
 ) -> None:

@@ -19,8 +19,9 @@ SMALL = {
     "question_len": 32,
     "output_len": 16,
 }
-# What may differ between two runs of the same inputs: how long they took, when.
-VOLATILE = {"wall_s", "wall_s_ci95", "wall_seconds", "created", "machine", "command"}
+# What may differ between two runs of the same inputs: how long they took, when,
+# and whether the checkout was edited meanwhile.
+VOLATILE = {"wall_s", "wall_s_ci95", "wall_seconds", "created", "machine", "command", "dirty"}
 
 
 def _stable(value: Any) -> Any:
