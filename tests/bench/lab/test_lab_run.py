@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from bench.__main__ import main
+from bench.lab import summary
 from bench.lab.run import FleetSpec, LabOptions, run_lab
 from bench.workloads import Words, WorkloadSpec, default_tokenizer_dir
 
@@ -70,6 +71,10 @@ def test_the_same_seeds_give_the_same_results_file(tmp_path: Path, qwen_words: W
     assert "| precise-prefix |" in report
     for plot in ("ttft_cdf.png", "hit_rate.png", "load_per_pod.png"):
         assert (tmp_path / "a" / plot).stat().st_size > 1000
+    # Several runs' results in one table.
+    rows = summary.table([tmp_path / "a", tmp_path / "b"]).splitlines()
+    assert len(rows) == 2 + 2 * len(policies)
+    assert rows[2].startswith("| shared-prefix | 4 | 0.80 | round-robin | ")
 
 
 def test_the_command_line_runs_and_rejects_bad_input(
