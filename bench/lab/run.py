@@ -479,28 +479,25 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
     workloads = {seed: build_workload(options.workload, words, seed) for seed in options.seeds}
     first = workloads[options.seeds[0]]
     capacity = capacity_rps(first, options.fleet.pods, latency)
+    # Rates: `offered` is in requests per second; Poisson arrivals start sessions,
+    # so a multi-turn workload's sessions arrive at offered x sessions / requests
+    # (`--rate` is in sessions per second, as in `bench run`).
+    share = len(first.sessions) / first.num_requests
+    arrival_rate: float | None
     if options.rate is not None:
-        rate: float | None = options.rate
+        arrival_rate = options.rate
+        offered = options.rate / share
     elif options.load is not None:
-        rate = options.load * capacity
+        offered = options.load * capacity
+        arrival_rate = offered * share
     else:
-        rate = None
-    if options.workload.name == "trace" and rate is not None:
+        arrival_rate = None
+        offered = _natural_rate(first)
+    if options.workload.name == "trace" and arrival_rate is not None:
         # A trace keeps its own arrival pattern, scaled in time to the asked rate.
-        starts = [s.arrival_s or 0.0 for s in first.sessions]
-        span = max(starts) - min(starts)
-        natural = len(starts) / span if span > 0 else math.inf
-        speed = rate / natural
-        workloads = {
-            seed: replace(
-                w, sessions=[replace(s, arrival_s=(s.arrival_s or 0.0) / speed) for s in w.sessions]
-            )
-            for seed, w in workloads.items()
-        }
-        arrival_rate: float | None = None
-    else:
-        arrival_rate = rate
-    offered = rate if rate is not None else _natural_rate(first)
+        speed = offered / _natural_rate(first)
+        workloads = {seed: _scaled(w, speed) for seed, w in workloads.items()}
+        arrival_rate = None
     bounds = _bounds(first, words, options.fleet)
     factories = {p.name: p.router_factory(registry) for p in policies}
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in policies}
