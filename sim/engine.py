@@ -49,7 +49,7 @@ from typing import Protocol
 from sim.hashing import DEFAULT_HASH_SEED, BlockHasher, ExtraKeysFormat, HashAlgo
 from sim.kv_cache import BlockPool, KVCacheManager, TokenSequence
 from sim.kv_events import KVEvent
-from sim.latency import LatencyModel, StepChunk
+from sim.latency import LatencyModel
 from sim.metrics import EngineStats
 
 # How far behind schedule (wall seconds) the step clock may catch up: steps after a
@@ -218,11 +218,17 @@ class EngineCore:
     def begin_step(self) -> Step:
         """Schedule the next step (see the module docstring) and price it."""
         scheduled, preempted = self._schedule()
-        duration = (
-            self.latency.step_time(StepChunk(s.new_tokens, s.context_tokens) for s in scheduled)
-            if scheduled
-            else 0.0
-        )
+        if not scheduled:
+            return Step((), preempted, 0.0)
+        new_tokens = 0
+        pairs = 0.0
+        touched = 0
+        for item in scheduled:
+            n, c = item.new_tokens, item.context_tokens
+            new_tokens += n
+            pairs += n * c + n * (n + 1) / 2
+            touched += c + n
+        duration = self.latency.time_of(new_tokens, pairs, touched)
         return Step(tuple(scheduled), preempted, duration)
 
     def finish_step(self, step: Step) -> None:
@@ -252,7 +258,10 @@ class EngineCore:
         cache_salt: str | None = None,
         choice_index: int = 0,
         stream: bool = True,
+        sequence: TokenSequence | None = None,
     ) -> EngineRequest:
+        """Queue a request. `sequence`: the prompt's `kv.new_sequence`, if the caller
+        already made it (its block hashes are not computed again)."""
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
@@ -260,7 +269,7 @@ class EngineCore:
         self._request_counter += 1
         request = EngineRequest(
             request_id=f"req-{self._request_counter}",
-            seq=self.kv.new_sequence(list(prompt_token_ids), cache_salt),
+            seq=sequence or self.kv.new_sequence(list(prompt_token_ids), cache_salt),
             max_tokens=max_tokens,
             finish_reason=finish_reason,
             outputs=outputs,
@@ -296,6 +305,7 @@ class EngineCore:
 
     def _schedule(self) -> tuple[list[Scheduled], bool]:
         budget = self.config.max_num_batched_tokens
+        block_size = self.config.block_size
         scheduled: list[Scheduled] = []
         preempted = False
         kv = self.kv
@@ -303,8 +313,19 @@ class EngineCore:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            left = len(request.seq.token_ids) - request.num_computed_tokens
+            seq = request.seq
+            computed = request.num_computed_tokens
+            left = len(seq.token_ids) - computed
             new_tokens = left if left < budget else budget
+            if new_tokens == 1 and computed < len(seq.blocks) * block_size:
+                # A decode step within the request's last block: no block to take,
+                # and a block to cache only if this token completes one.
+                if (computed + 1) // block_size > seq.num_cached_blocks:
+                    kv.allocate_slots(seq, computed, 1)
+                scheduled.append(Scheduled(request, 1, computed))
+                budget -= 1
+                index += 1
+                continue
             fits = True
             while not kv.allocate_slots(request.seq, request.num_computed_tokens, new_tokens):
                 victim = self.running.pop()

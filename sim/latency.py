@@ -102,6 +102,11 @@ class LatencyModel:
             # tokens before it (and itself).
             attention_pairs += n * c + n * (n + 1) / 2
             kv_tokens_touched += c + n
+        return self.time_of(new_tokens, attention_pairs, kv_tokens_touched)
+
+    def time_of(self, new_tokens: int, attention_pairs: float, kv_tokens_touched: int) -> float:
+        """`step_time` from the step's totals: new tokens, (new token, attended token)
+        pairs, and KV-cache tokens read or written."""
         if new_tokens == 0:
             return 0.0
         model, gpu = self.model, self.gpu

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from bench.lab.loop import EventLoop
 from sim.engine import EngineConfig, EngineCore, EngineRequest, OutputSink, Step
+from sim.kv_cache import TokenSequence
 from sim.kv_events import KVEvent
 from sim.latency import LatencyModel
 
@@ -75,20 +76,29 @@ class LabPod:
         max_tokens: int,
         outputs: OutputSink,
         cache_salt: str | None = None,
+        sequence: TokenSequence | None = None,
     ) -> EngineRequest:
         request = self.core.add_request(
-            prompt_token_ids, max_tokens, "length", outputs, cache_salt, stream=True
+            prompt_token_ids,
+            max_tokens,
+            "length",
+            outputs,
+            cache_salt,
+            stream=True,
+            sequence=sequence,
         )
         self._record()
         if not self._stepping:
             self._start_step()
         return request
 
-    def uncached_tokens(self, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt tokens the pod's prefix cache does not hold now."""
+    def prepare(self, prompt_token_ids: Sequence[int]) -> tuple[TokenSequence, int]:
+        """The prompt's sequence for `submit`, and how many of its tokens the pod's
+        prefix cache does not hold now."""
         kv = self.core.kv
-        hits = kv.find_prefix_hit(kv.new_sequence(list(prompt_token_ids)))
-        return len(prompt_token_ids) - len(hits) * self.core.config.block_size
+        sequence = kv.new_sequence(list(prompt_token_ids))
+        hits = kv.find_prefix_hit(sequence)
+        return sequence, len(prompt_token_ids) - len(hits) * self.core.config.block_size
 
     # -- steps ------------------------------------------------------------------------
 

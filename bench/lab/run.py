@@ -51,6 +51,7 @@ from epp.clock import VirtualClock
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import Usage
 from sim.engine import EngineConfig, EngineRequest, TokenOutput
+from sim.kv_cache import TokenSequence
 from sim.kv_events import KVEvent
 from sim.latency import LatencyModel
 
@@ -242,13 +243,12 @@ class LabRun:
                 self.failed(request, "400: longer than the engine's max_model_len")
                 return
             delays = self.fleet.delays
-            overhead = delays.pod_overhead_s
-            if delays.pod_overhead_per_token_s:
-                overhead += delays.pod_overhead_per_token_s * pod.uncached_tokens(prompt)
-            self.loop.after(overhead, submit)
+            sequence, uncached = pod.prepare(prompt)
+            overhead = delays.pod_overhead_s + delays.pod_overhead_per_token_s * uncached
+            self.loop.after(overhead, lambda: submit(sequence))
 
-        def submit() -> None:
-            request.engine_request = pod.submit(prompt, turn.max_tokens, request)
+        def submit(sequence: TokenSequence) -> None:
+            request.engine_request = pod.submit(prompt, turn.max_tokens, request, None, sequence)
 
         self.loop.after(self.router.route_delay_s, arrive)
 
