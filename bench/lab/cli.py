@@ -14,6 +14,22 @@ from typing import Any
 from bench.lab.epp import Delays
 
 DEFAULT_POLICIES = ("round-robin", "gie-default", "default")
+# Each of `Delays`'s fields as a flag: (flag, field, help).
+DELAY_FLAGS = (
+    ("--route-delay", "route_s", "through Envoy and the EPP"),
+    ("--route-delay-per-token", "route_per_token_s", "per prompt token the EPP tokenizes"),
+    ("--peer-route-delay", "peer_route_s", "through a peer router's model"),
+    ("--pod-overhead", "pod_overhead_s", "in the pod before the engine takes the request"),
+    (
+        "--pod-overhead-per-token",
+        "pod_overhead_per_token_s",
+        "per prompt token the pod's prefix cache does not hold",
+    ),
+    ("--response-delay", "response_s", "first and last token to the client"),
+    ("--kv-event-delay", "kv_event_s", "a step's KV events to the precise index"),
+    ("--metrics-interval", "metrics_interval_s", "between two scrapes of a pod"),
+    ("--metrics-latency", "metrics_latency_s", "a scrape to the datastore"),
+)
 
 
 def add_parser(commands: Any) -> None:
@@ -60,37 +76,10 @@ def add_parser(commands: Any) -> None:
     engine.add_argument("--max-model-len", type=int, help="default: sim's")
     defaults = Delays()
     delays = lab.add_argument_group("what the EPP sees, and how late (virtual seconds)")
-    delays.add_argument(
-        "--route-delay", type=float, default=defaults.route_s, help="through Envoy and the EPP"
-    )
-    delays.add_argument(
-        "--route-delay-per-token",
-        type=float,
-        default=defaults.route_per_token_s,
-        help="per prompt token the EPP tokenizes for the pick",
-    )
-    delays.add_argument(
-        "--peer-route-delay",
-        type=float,
-        default=defaults.peer_route_s,
-        help="through a peer router's model",
-    )
-    delays.add_argument(
-        "--pod-overhead",
-        type=float,
-        default=defaults.pod_overhead_s,
-        help="in the pod before the engine takes the request",
-    )
-    delays.add_argument(
-        "--pod-overhead-per-token",
-        type=float,
-        default=defaults.pod_overhead_per_token_s,
-        help="per prompt token the pod's prefix cache does not hold",
-    )
-    delays.add_argument("--response-delay", type=float, default=defaults.response_s)
-    delays.add_argument("--kv-event-delay", type=float, default=defaults.kv_event_s)
-    delays.add_argument("--metrics-interval", type=float, default=defaults.metrics_interval_s)
-    delays.add_argument("--metrics-latency", type=float, default=defaults.metrics_latency_s)
+    for flag, field, help_text in DELAY_FLAGS:
+        delays.add_argument(
+            flag, type=float, dest=field, default=getattr(defaults, field), help=help_text
+        )
     lab.add_argument(
         "--tokenizer",
         default=None,
@@ -116,17 +105,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from bench.workloads import spec_from_args, tokenizer_from_arg
 
         spec = spec_from_args(args)
-        delays = Delays(
-            route_s=args.route_delay,
-            route_per_token_s=args.route_delay_per_token,
-            peer_route_s=args.peer_route_delay,
-            pod_overhead_s=args.pod_overhead,
-            pod_overhead_per_token_s=args.pod_overhead_per_token,
-            response_s=args.response_delay,
-            kv_event_s=args.kv_event_delay,
-            metrics_interval_s=args.metrics_interval,
-            metrics_latency_s=args.metrics_latency,
-        )
+        delays = Delays(**{field: getattr(args, field) for _, field, _ in DELAY_FLAGS})
         from sim.engine import EngineConfig
 
         engine_args: dict[str, Any] = {"block_size": args.block_size}

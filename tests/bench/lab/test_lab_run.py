@@ -10,6 +10,8 @@ import pytest
 
 from bench.__main__ import main
 from bench.lab import summary
+from bench.lab.cli import DELAY_FLAGS
+from bench.lab.epp import Delays
 from bench.lab.run import FleetSpec, LabOptions, run_lab
 from bench.workloads import Words, WorkloadSpec, default_tokenizer_dir
 
@@ -105,3 +107,20 @@ def test_the_command_line_runs_and_rejects_bad_input(
         assert code == 2, bad
         assert message in capsys.readouterr().err
         assert not (bad_out / "results.json").exists()
+
+
+def test_every_delay_has_its_flag_and_the_flags_set_them(tmp_path: Path, qwen_words: Words) -> None:
+    assert {field for _, field, _ in DELAY_FLAGS} == set(Delays.__dataclass_fields__)
+    out = tmp_path / "delays"
+    argv = ["lab", "--pods", "2", "--seeds", "1", "--groups", "2", "--prompts-per-group", "2",
+            "--system-len", "32", "--question-len", "8", "--output-len", "4",
+            "--policy", "round-robin", "--out", str(out), "--no-progress",
+            "--route-delay", "0.25", "--metrics-interval", "0.1"]  # fmt: skip
+    assert main(argv) == 0
+    delays = json.loads((out / "results.json").read_text())["setup"]["delays"]
+    assert delays["route_s"] == 0.25
+    assert delays["metrics_interval_s"] == 0.1
+    assert delays["kv_event_s"] == Delays().kv_event_s
+    # A whole route delay of 0.25 s is in every request's TTFT.
+    runs = json.loads((out / "results.json").read_text())["policies"]["round-robin"]
+    assert runs["ttft_p50_s"] > 0.25
