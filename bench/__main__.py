@@ -67,6 +67,14 @@ def add_run_parser(commands: Any) -> None:
         "--rates", type=_rates, help="a ladder of rates, e.g. 2,4,8 (each rung from cold)"
     )
     load.add_argument("--concurrency", type=int, help="closed loop with this many clients")
+    run.add_argument(
+        "--burst",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --rate/--rates: sessions arrive N at the same instant, the bursts a"
+        " Poisson process of rate / N (same mean rate)",
+    )
     run.add_argument("--pods", type=int, default=8, help="simulated pods")
     run.add_argument(
         "--time-scale",
@@ -126,10 +134,16 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.repeats < 1:
         print("error: --repeats must be at least 1", file=sys.stderr)
         return 2
+    if args.burst < 1:
+        print("error: --burst must be at least 1", file=sys.stderr)
+        return 2
+    if args.burst > 1 and args.rate is None and args.rates is None:
+        print("error: --burst shapes Poisson arrivals: give --rate or --rates", file=sys.stderr)
+        return 2
     if args.rates is not None:
-        ladder = [Arrivals("poisson", rate=r) for r in args.rates]
+        ladder = [Arrivals("poisson", rate=r, burst=args.burst) for r in args.rates]
     elif args.rate is not None:
-        ladder = [Arrivals("poisson", rate=args.rate)]
+        ladder = [Arrivals("poisson", rate=args.rate, burst=args.burst)]
     elif args.concurrency is not None:
         ladder = [Arrivals("closed", concurrency=args.concurrency)]
     elif args.workload == "trace":

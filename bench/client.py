@@ -4,7 +4,10 @@ Arrivals (all in simulated seconds; the client sleeps `x time_scale` of wall tim
 
 - `poisson`: open loop, sessions start at the times of a Poisson process of `rate`
   per second (exponential gaps from a generator seeded by the run's seed, so every
-  policy sees the same schedule); `rate` = inf starts them all at once;
+  policy sees the same schedule); `rate` = inf starts them all at once. With
+  `burst` = N > 1 sessions arrive N at a time, the bursts a Poisson process of
+  `rate` / N: the same mean rate with N requests picked at the same instant, before
+  any pod's load or cache reflects the others (what a stale view gets wrong);
 - `trace`: open loop at the sessions' own arrival times (trace replay);
 - `closed`: `concurrency` clients, each starting the next session when its previous
   one is done.
@@ -63,16 +66,22 @@ class Arrivals:
     kind: ArrivalKind
     rate: float | None = None
     concurrency: int | None = None
+    burst: int = 1  # poisson: sessions arriving at the same instant
 
     def __post_init__(self) -> None:
         if self.kind == "poisson" and (self.rate is None or self.rate <= 0):
             raise ValueError("poisson arrivals need a rate > 0")
         if self.kind == "closed" and (self.concurrency is None or self.concurrency < 1):
             raise ValueError("closed-loop arrivals need a concurrency >= 1")
+        if self.burst < 1:
+            raise ValueError("bursts need at least 1 session each")
+        if self.burst > 1 and self.kind != "poisson":
+            raise ValueError("bursts are for Poisson arrivals (--rate)")
 
     def label(self) -> str:
         if self.kind == "poisson":
-            return f"rate {self.rate:g}/s"
+            bursts = f" in bursts of {self.burst}" if self.burst > 1 else ""
+            return f"rate {self.rate:g}/s{bursts}"
         if self.kind == "closed":
             return f"concurrency {self.concurrency}"
         return "trace timestamps"
@@ -84,6 +93,7 @@ class Arrivals:
             "rate": None if rate is None or math.isinf(rate) else rate,
             "rate_is_infinite": rate is not None and math.isinf(rate),
             "concurrency": self.concurrency,
+            "burst": self.burst,
         }
 
 
@@ -93,13 +103,23 @@ def start_times(sessions: Sequence[Session], arrivals: Arrivals, seed: int) -> l
         return [s.arrival_s or 0.0 for s in sessions]
     if arrivals.kind != "poisson" or arrivals.rate is None:
         raise ValueError("start times are for open-loop arrivals")
-    if math.isinf(arrivals.rate):
-        return [0.0] * len(sessions)
-    rng = random.Random(f"arrivals:{seed}:{arrivals.rate!r}")
+    return poisson_starts(len(sessions), arrivals.rate, seed, arrivals.burst)
+
+
+def poisson_starts(count: int, rate: float, seed: int, burst: int = 1) -> list[float]:
+    """`count` start times of Poisson arrivals at `rate` per second, in bursts of
+    `burst` (see the module docstring), from a generator seeded by (seed, rate):
+    `bench run` and the lab draw the same schedule for the same seed."""
+    if burst < 1:
+        raise ValueError("bursts need at least 1 session each")
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(f"arrivals:{seed}:{rate!r}")
     now = 0.0
     times = []
-    for _ in sessions:
-        now += rng.expovariate(arrivals.rate)
+    for i in range(count):
+        if i % burst == 0:
+            now += rng.expovariate(rate / burst)
         times.append(now)
     return times
 

@@ -64,6 +64,14 @@ def add_parser(commands: Any) -> None:
         " trace's own timestamps)",
     )
     load.add_argument("--rate", type=float, help="open-loop Poisson rate (requests/s)")
+    lab.add_argument(
+        "--burst",
+        type=int,
+        default=1,
+        metavar="N",
+        help="sessions arrive N at the same instant, the bursts a Poisson process of"
+        " rate / N (same mean rate); not for a trace",
+    )
     lab.add_argument("--pods", type=int, default=16, help="simulated pods")
     lab.add_argument("--seed", type=int, default=0, help="first seed")
     lab.add_argument("--seeds", type=int, default=5, help="seeds: --seed, --seed + 1, ...")
@@ -97,6 +105,10 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         problems.append("--pods must be at least 1")
     if args.seeds < 1:
         problems.append("--seeds must be at least 1")
+    if args.burst < 1:
+        problems.append("--burst must be at least 1")
+    elif args.burst > 1 and args.workload == "trace":
+        problems.append("--burst shapes Poisson arrivals; a trace keeps its own")
     for name in ("load", "rate"):
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
@@ -130,6 +142,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         seeds=tuple(range(args.seed, args.seed + args.seeds)),
         load=load,
         rate=args.rate,
+        burst=args.burst,
         tokenizer=tokenizer,
         out=args.out,
         command="python -m bench " + shlex.join(argv),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +27,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from bench.bounds import Bounds, compute_bounds
-from bench.client import Record, RunTiming
+from bench.client import Record, RunTiming, poisson_starts
 from bench.lab.epp import Delays, LabEpp
 from bench.lab.loop import EventLoop
 from bench.lab.peers import DynamoKv, SglangCacheAware
@@ -279,20 +278,15 @@ class LabRun:
             self.loop.at(at, lambda: self.send(session, request.turn_index + 1, at))
 
 
-def start_times(workload: LabWorkload, rate: float | None, seed: int) -> list[float]:
+def start_times(
+    workload: LabWorkload, rate: float | None, seed: int, burst: int = 1
+) -> list[float]:
     """Each session's start: the trace's (already scaled) timestamps, or Poisson
-    arrivals at `rate` drawn exactly as `bench run` draws them for the same seed."""
+    arrivals at `rate` (in bursts of `burst`) drawn exactly as `bench run` draws
+    them for the same seed."""
     if rate is None:
         return [s.arrival_s or 0.0 for s in workload.sessions]
-    if math.isinf(rate):
-        return [0.0] * len(workload.sessions)
-    rng = random.Random(f"arrivals:{seed}:{rate!r}")
-    now = 0.0
-    times = []
-    for _ in workload.sessions:
-        now += rng.expovariate(rate)
-        times.append(now)
-    return times
+    return poisson_starts(len(workload.sessions), rate, seed, burst)
 
 
 RouterFactory = Callable[[Sequence[LabPod], EventLoop, "FleetSpec", int], Router]
@@ -305,6 +299,7 @@ def run_once(
     answer_token_ids: Sequence[int],
     rate: float | None,
     seed: int,
+    burst: int = 1,
 ) -> dict[str, Any]:
     """One policy on one seed, from cold; its `bench run`-shaped summary plus the
     lab's own keys and the raw TTFTs (`ttfts_s`) and picks over time (`picks`)."""
@@ -319,7 +314,7 @@ def run_once(
         if router.wants_events:
             for pod in pods:
                 pod.on_events = router.on_events
-        run = LabRun(router, pods, loop, fleet, workload, start_times(workload, rate, seed))
+        run = LabRun(router, pods, loop, fleet, workload, start_times(workload, rate, seed, burst))
         run.start()
         loop.run()
         counters = {
@@ -383,6 +378,7 @@ class LabOptions:
     out: Path
     command: str
     progress: bool = False
+    burst: int = 1  # Poisson arrivals in bursts of this many sessions
 
 
 @dataclass(frozen=True)
@@ -498,6 +494,8 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
         speed = offered / _natural_rate(first)
         workloads = {seed: _scaled(w, speed) for seed, w in workloads.items()}
         arrival_rate = None
+    if options.burst > 1 and arrival_rate is None:
+        raise ValueError("bursts shape Poisson arrivals; a trace keeps its own timestamps")
     bounds = _bounds(first, words, options.fleet)
     factories = {p.name: p.router_factory(registry) for p in policies}
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in policies}
@@ -515,6 +513,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
                     answer,
                     arrival_rate,
                     seed,
+                    options.burst,
                 )
                 result["seed"] = seed
                 result.update(policy.describe())
@@ -531,7 +530,9 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
             "seeds": len(options.seeds),
             "seed_list": list(options.seeds),
             "load": offered / capacity,
-            "load_label": f"load {offered / capacity:.2f}",
+            "load_label": f"load {offered / capacity:.2f}"
+            + (f", bursts of {options.burst}" if options.burst > 1 else ""),
+            "burst": options.burst,
             "rate_rps": offered,
             "capacity_rps": capacity,
             "capacity_definition": "docs/lab.md#capacity",

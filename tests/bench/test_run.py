@@ -393,6 +393,15 @@ def test_repeats_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "--repeats must be at least 1" in capsys.readouterr().err
 
 
+def test_bursts_need_poisson_arrivals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", *SMALL, "--out", str(tmp_path), "--burst", "0"]) == 2
+    assert "--burst must be at least 1" in capsys.readouterr().err
+    # SMALL is closed loop (--concurrency): there is no arrival process to shape.
+    assert main(["run", *SMALL, "--out", str(tmp_path), "--burst", "4"]) == 2
+    assert "--burst shapes Poisson arrivals: give --rate" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_repeats_through_envoy_and_the_epp(tmp_path: Path) -> None:
     code, results = run(tmp_path, "--policy", "round-robin", "--repeats", "2")
     assert code == 0

@@ -166,3 +166,22 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate(builtin_words: Words) -> No
     assert set(burst) == {0.0}
     with pytest.raises(ValueError, match="rate"):
         Arrivals("poisson", rate=0.0)
+
+
+def test_bursts_keep_the_mean_rate_and_arrive_together(builtin_words: Words) -> None:
+    workload = shared_prefix(builtin_words, groups=50, prompts_per_group=40, system_len=4)
+    plain = start_times(workload.sessions, Arrivals("poisson", rate=10.0), seed=3)
+    bursty = start_times(workload.sessions, Arrivals("poisson", rate=10.0, burst=8), seed=3)
+    # Sessions come 8 at an instant; one burst's start differs from the next's.
+    groups = [bursty[i : i + 8] for i in range(0, len(bursty), 8)]
+    assert all(len(set(g)) == 1 for g in groups)
+    assert len({g[0] for g in groups}) == len(groups)
+    assert 0.09 < bursty[-1] / len(bursty) < 0.11  # the same mean gap as plain Poisson
+    assert bursty != plain
+    # One session per burst is plain Poisson, draw for draw.
+    assert start_times(workload.sessions, Arrivals("poisson", rate=10.0, burst=1), seed=3) == plain
+    assert "bursts of 8" in Arrivals("poisson", rate=10.0, burst=8).label()
+    with pytest.raises(ValueError, match="at least 1"):
+        Arrivals("poisson", rate=10.0, burst=0)
+    with pytest.raises(ValueError, match="Poisson"):
+        Arrivals("closed", concurrency=4, burst=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,8 @@ def test_the_command_line_runs_and_rejects_bad_input(
         (["--turns", "3"], "--turns do(es) not apply to the shared-prefix workload"),
         (["--workload", "trace"], "the trace workload needs --trace FILE"),
         (["--route-delay", "-1"], "delay route_s must be a finite number >= 0"),
+        (["--burst", "0"], "--burst must be at least 1"),
+        (["--workload", "trace", "--trace", str(out), "--burst", "4"], "--burst shapes Poisson"),
     ]:
         bad_out = tmp_path / "bad"
         code = main(["lab", "--pods", "2", "--seeds", "1", "--out", str(bad_out), *bad])
@@ -124,3 +127,18 @@ def test_every_delay_has_its_flag_and_the_flags_set_them(tmp_path: Path, qwen_wo
     # A whole route delay of 0.25 s is in every request's TTFT.
     runs = json.loads((out / "results.json").read_text())["policies"]["round-robin"]
     assert runs["ttft_p50_s"] > 0.25
+
+
+def test_bursts_of_arrivals_queue_requests_at_the_same_mean_rate(
+    tmp_path: Path, qwen_words: Words
+) -> None:
+    plain = run_lab(options(tmp_path / "plain", ("round-robin",), seeds=(0,)))
+    bursty = run_lab(replace(options(tmp_path / "bursty", ("round-robin",), seeds=(0,)), burst=8))
+    assert bursty["setup"]["burst"] == 8
+    assert "bursts of 8" in (tmp_path / "bursty" / "report.md").read_text()
+    assert bursty["setup"]["rate_rps"] == plain["setup"]["rate_rps"]
+    # Eight requests land on four pods at once: some wait behind another's prefill.
+    assert (
+        bursty["policies"]["round-robin"]["ttft_p90_s"]
+        > plain["policies"]["round-robin"]["ttft_p90_s"]
+    )
