@@ -111,7 +111,8 @@ def run_demo(out: Path, policies: Sequence[str] | None = None, keep_running: boo
             run_lab_part(out / "lab")
         if keep_running:
             policy = options.policies[0]
-            with data_path(policy, options, out / "live") as (url, _):
+            with data_path(policy, options, out / "live") as path:
+                url = path.url
                 print(f"\n{policy.name} stack up: curl -s {url}/v1/chat/completions \\")
                 print(
                     '  -H \'content-type: application/json\' -d \'{"model": "sim-model",'

@@ -447,12 +447,18 @@ def read_endpoints(path: Path) -> list[tuple[str, str]]:
     return [(e["name"], e["address"]) for e in document["endpoints"]]
 
 
+@dataclass(frozen=True)
+class DataPath:
+    """A running fleet with a router in front of it."""
+
+    url: str  # where clients send
+    pods: list[tuple[str, str]]  # (name, address)
+    epp_metrics_url: str | None  # the EPP's /metrics; None for a peer router
+
+
 @contextlib.contextmanager
-def data_path(
-    policy: Policy, options: RunOptions, workdir: Path
-) -> Iterator[tuple[str, list[tuple[str, str]]]]:
-    """A fresh fleet and the policy's router in front of it: yields the URL clients
-    send to and the pods (name, address)."""
+def data_path(policy: Policy, options: RunOptions, workdir: Path) -> Iterator[DataPath]:
+    """A fresh fleet and the policy's router in front of it."""
     with contextlib.ExitStack() as stack:
         fleet, endpoints = start_sim_fleet(
             options.pods, free_port_range(3 * options.pods), workdir, options.fleet_args()
@@ -470,6 +476,7 @@ def data_path(
             )
             stack.callback(envoy.stop)
             url = f"http://127.0.0.1:{listen}"
+            epp_metrics: str | None = f"http://127.0.0.1:{ports.metrics}/metrics"
             processes: list[ManagedProcess] = [fleet, epp, envoy]
         else:
             assert policy.peer is not None
@@ -479,8 +486,9 @@ def data_path(
                 policy.peer, policy.peer_policy, [a for _, a in pods], workdir, venv
             )
             stack.callback(router.stop)
+            epp_metrics = None
             processes = [fleet, router]
-        yield url, pods
+        yield DataPath(url, pods, epp_metrics)
         for process in processes:
             if process.process is not None and process.process.poll() is not None:
                 raise ProcessFailed(
@@ -498,7 +506,8 @@ def run_policy(
 ) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        with data_path(policy, options, workdir) as (url, pods):
+        with data_path(policy, options, workdir) as path:
+            url, pods = path.url, path.pods
             before = read_fleet(pods)
             progress = tqdm(
                 total=workload.num_requests,

@@ -53,6 +53,7 @@ class Decision:
     destinations: str  # "ip:port[,ip:port...]", primary first
     body: bytes  # what goes upstream: the request body, or its rewrite
     picked_at: float  # the director's clock at the pick
+    first_chunk_at: float | None = None  # the director's clock at the first response chunk
     finished: bool = False
 
     @property
@@ -263,6 +264,23 @@ class Director:
             picked_at=self.clock(),
         )
 
+    def first_chunk(self, decision: Decision) -> None:
+        """The first chunk of a routed request's successful response body arrived.
+        Idempotent, and nothing once the request has ended."""
+        if decision.first_chunk_at is not None or decision.finished:
+            return
+        now = self.clock()
+        decision.first_chunk_at = now
+        for slot in decision.config.response_first_chunk:
+            t0 = time.perf_counter()
+            try:
+                slot.plugin.response_first_chunk(
+                    decision.request, decision.cycle, decision.result, now - decision.picked_at
+                )
+            except Exception:
+                log.exception("first-chunk plugin %s failed", slot.name)
+            slot.observe(time.perf_counter() - t0)
+
     def finish(self, decision: Decision, response: ResponseInfo) -> None:
         """End a routed request. Idempotent: only the first call counts."""
         if decision.finished:
@@ -311,7 +329,15 @@ class Director:
         except EppError as error:
             # Shown with the scores the request would have got, for debugging.
             shed = error.message
-        result = await self._schedule(config, request, cycle, candidates)
+        try:
+            result = await self._schedule(config, request, cycle, candidates)
+        except EppError as error:  # a filter refused the request
+            return {
+                "error": error.message,
+                "picked": [],
+                "priority": cycle.get(PRIORITY),
+                "notes": cycle.get(EXPLAIN_NOTES) or {},
+            }
         primary = result.profiles[result.primary_profile]
         out = _explain_profile(primary)
         out["priority"] = cycle.get(PRIORITY)

@@ -174,7 +174,7 @@ class ApproxPrefixMatcher:
                 },
             )
             matched = self.index.match(blocks, endpoints)
-            info = PrefixMatchInfo(blocks.total, block_size, matched)
+            info = PrefixMatchInfo(blocks.total, block_size, matched, blocks.uncapped)
             cycle.put(self._blocks, blocks)
         cycle.put(self.key, info)
         return info

@@ -88,6 +88,7 @@ class PrecisePrefixCacheScorer:
                 found.considered_blocks,
                 self.service.config.block_size,
                 {e: found.score(e) * found.considered_blocks for e in found.slots},
+                found.prompt_blocks,
             ),
         )
 

@@ -34,6 +34,7 @@ ORDER = (
     "epp.tokenization",  # prompts as the engines tokenize them
     "epp.kvindex",  # the precise prefix service: index, KV events, lookups
     "epp.approxindex",  # the approximate prefix index
+    "epp.ttft",  # the predicted-TTFT model and each pod's prefill ledger
     "epp.sources",  # (the package: its docstring)
     "epp.sources.http_fetch",
     "epp.sources.metrics",  # the metrics scraper: endpoints' model-server metrics
@@ -69,12 +70,21 @@ PLUGINS_MAY_IMPORT = frozenset(
         "epp.tokenization",
         "epp.kvindex",
         "epp.approxindex",
+        "epp.ttft",
         "epp.sources.metrics",
         "epp.scheduling",
     }
 )
 
-_SUBPACKAGE_UNITS = ("scheduling", "config", "kvindex", "extproc", "tokenization", "_proto")
+_SUBPACKAGE_UNITS = (
+    "scheduling",
+    "config",
+    "kvindex",
+    "extproc",
+    "tokenization",
+    "ttft",
+    "_proto",
+)
 
 
 def unit_of(module: str) -> str | None:

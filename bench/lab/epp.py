@@ -208,6 +208,9 @@ class LabEpp:
     def _tokens_encoded(self) -> int:
         return sum(s.tokenizers.tokens_encoded() for s in self.precise)
 
+    def first_chunk(self, decision: Decision) -> None:
+        self.director.first_chunk(decision)
+
     def finish(self, decision: Decision, usage: Usage | None, completed: bool = True) -> None:
         self.director.finish(
             decision,

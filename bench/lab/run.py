@@ -130,7 +130,9 @@ class EppRouter:
         return self.epp.pod_of(decision), decision
 
     def first_token(self, handle: Any) -> None:
-        pass  # the EPP learns nothing at the first token (lean or full, it waits for the end)
+        # Envoy's full config streams response bodies to the EPP: it sees the first
+        # chunk as the client does.
+        self.epp.first_chunk(handle)
 
     def end(self, handle: Any, usage: Usage | None, completed: bool) -> None:
         self.epp.finish(handle, usage, completed)

@@ -40,6 +40,7 @@ from epp.scheduling.interfaces import (
     PostResponse,
     PreRequest,
     ProfileHandler,
+    ResponseFirstChunk,
     SaturationDetector,
     ServerSettings,
     Service,
@@ -57,6 +58,7 @@ class SchedulingConfig:
     scheduler: Scheduler
     data_producers: tuple[Slot[DataProducer], ...]
     pre_request: tuple[Slot[PreRequest], ...]
+    response_first_chunk: tuple[Slot[ResponseFirstChunk], ...]
     post_response: tuple[Slot[PostResponse], ...]
     plugins: Mapping[str, object] = field(default_factory=dict)
     # Admission: sheddable requests (negative priority) are shed while the detector
@@ -158,6 +160,7 @@ def build(config: CompleteConfig, resources: BuildResources) -> SchedulingConfig
         scheduler=Scheduler(profiles, plugins.slot("profile_handler", config.profile_handler)),
         data_producers=plugins.slots("data_producer", DataProducer),
         pre_request=plugins.slots("pre_request", PreRequest),
+        response_first_chunk=plugins.slots("response_first_chunk", ResponseFirstChunk),
         post_response=plugins.slots("post_response", PostResponse),
         plugins=plugins.built,
         saturation_detector=detector,

@@ -15,7 +15,11 @@ writes speculative entries; lookups only read. Everything runs on one event loop
 tokenizing a long prompt goes to the tokenizers' worker threads.
 
 Time comes from the `clock` it is given (speculative entries' TTL), so the same
-service runs on the wall clock and in a simulation's virtual time.
+service runs on the wall clock and in a simulation's virtual time. The KV-event lag
+(`epp_kv_event_lag_seconds`) is read on `wall_clock` instead: the engines stamp
+their batches with their host's time.time(), which only a wall clock compares with.
+It is observed by the subscriber only, for batches that came over ZMQ; `feed` does
+not observe it (a simulation's batches carry its virtual time).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -193,6 +198,7 @@ class PrecisePrefixService:
         *,
         name: str = "precise-prefix",
         clock: Clock = SYSTEM_CLOCK,
+        wall_clock: Clock = time.time,
     ) -> None:
         """Checks `config` and builds everything; starts nothing (`run` does).
         Raises ValueError for a config that cannot work."""
@@ -242,6 +248,7 @@ class PrecisePrefixService:
                 reconnect_interval_s=parse_duration(events.reconnect_interval),
                 reconnect_interval_max_s=parse_duration(events.reconnect_interval_max),
             ),
+            wall_clock=wall_clock,
         )
         self.tokenizers = TokenizerRegistry(
             [

@@ -37,6 +37,14 @@ seq seen on the live socket:
 Draining is done in slices (`drain_batch` messages), yielding to the event loop
 between them, so a busy publisher never holds up a pick; decoding and applying a
 batch never awaits.
+
+The lag of each live batch (this host's wall clock once it is applied, minus the
+batch's `ts`, the engine's wall clock when it took the step's events) goes into the
+stream's `lag` histogram (`epp_kv_event_lag_seconds`): how stale the index is behind
+the engine. Replayed batches are left out: their `ts` is as old as the buffer (a
+resync at start-up replays batches from before the EPP subscribed), which says
+nothing about propagation. Across hosts the two clocks' skew adds in; a negative lag
+(the engine's clock ahead) is observed as 0 and counted apart, never dropped.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -54,10 +63,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from epp.clock import Clock
 from epp.datastore import Datastore, Endpoint
-from epp.kvindex.events import END_SEQ, WireError, decode_batch
+from epp.kvindex.events import END_SEQ, EventBatch, WireError, decode_batch
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
 from epp.logs import LogOnce
+from epp.promutil import LATENCY_BUCKETS, BucketCounts
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +117,11 @@ class StreamStatus:
     disconnects: int = 0
     late_joins: int = 0
     state_since: float = field(default_factory=time.monotonic)
+    # Live batches' lag (wall now - ts) when applied, in seconds; negative lags are
+    # observed as 0 and counted here, with how far ahead they were, summed.
+    lag: BucketCounts = field(default_factory=lambda: BucketCounts(LATENCY_BUCKETS))
+    lag_negative: int = 0
+    lag_negative_s: float = 0.0
 
 
 def _split_tcp(address: str) -> tuple[str, int] | None:
@@ -167,12 +183,16 @@ class KVEventStream:
         replay_address: str | None,
         settings: SubscriberSettings,
         log_once: LogOnce,
+        wall_clock: Clock = time.time,
     ) -> None:
         self.context = context
         self.sink = sink
         self.address = address
         self.replay_address = replay_address if settings.replay else None
         self.settings = settings
+        # The batches' `ts` is the engine's time.time(): their lag is read on this
+        # host's wall clock, not on the monotonic clock decisions are made by.
+        self.wall_clock = wall_clock
         self.status = StreamStatus()
         self._log_once = log_once
         self._last_digest: int | None = None
@@ -317,7 +337,7 @@ class KVEventStream:
         if seq <= last:
             return  # already applied by a replay
         if seq == last + 1 and not self._suspect:
-            self._apply(seq, payload)
+            self._apply(seq, payload, live=True)
             return
         if seq > last + 1:
             status.gaps += 1
@@ -342,7 +362,7 @@ class KVEventStream:
         if last is not None and seq > last + 1:
             # Even the replay could not close the gap: what lies between is lost.
             self._clear("gap")
-        self._apply(seq, payload)
+        self._apply(seq, payload, live=True)
 
     def _engine_restarted(self, seq: int) -> None:
         self.status.restarts += 1
@@ -369,7 +389,9 @@ class KVEventStream:
         self.sink.clear(reason)
         self._last_digest = None
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _apply(self, seq: int, payload: bytes, *, live: bool) -> None:
+        """Decode and apply batch `seq`; `live`: it came on the PUB socket (not from
+        a replay), so its lag is observed."""
         self.status.last_seq = seq
         self._last_digest = hash(payload)
         try:
@@ -380,6 +402,25 @@ class KVEventStream:
             self.sink.reject(exc.reason, exc.detail)
             return
         self.sink.apply(batch)
+        if live and not self.sink.closed:
+            self._observe_lag(batch)
+
+    def _observe_lag(self, batch: EventBatch) -> None:
+        ts = batch.ts
+        # vLLM always stamps time.time(); 0 (or NaN, inf) is a producer that does
+        # not stamp its batches, whose "lag" would be meaningless.
+        if not (ts > 0.0 and math.isfinite(ts)):
+            return
+        lag = self.wall_clock() - ts
+        status = self.status
+        if lag < 0.0:
+            # The engine's clock is ahead of ours by more than the true lag, which
+            # is unknown. Observed as 0, so the histogram still counts every batch,
+            # and counted apart with its size, so the skew shows instead of vanishing.
+            status.lag_negative += 1
+            status.lag_negative_s -= lag
+            lag = 0.0
+        status.lag.observe(lag)
 
     # -- recovery -----------------------------------------------------------------------
 
@@ -516,7 +557,7 @@ class KVEventStream:
                         # been undone inside it; keep what follows it only.
                         status.partial_replays += 1
                         self._clear("gap")
-                self._apply(seq, payload)
+                self._apply(seq, payload, live=False)
                 applied += 1
                 if applied % REPLAY_CHUNK == 0:
                     await asyncio.sleep(0)
@@ -554,13 +595,17 @@ class KVEventSubscriber:
         index: PreciseIndex,
         settings: SubscriberSettings,
         addresses: AddressFunction = kv_event_addresses,
+        wall_clock: Clock = time.time,
     ) -> None:
+        """`wall_clock`: this host's wall-clock time (Unix seconds), which the
+        engines' batch timestamps are compared with for their lag."""
         if settings.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
         self.datastore = datastore
         self.index = index
         self.settings = settings
         self.addresses = addresses
+        self.wall_clock = wall_clock
         self.streams: dict[Endpoint, list[tuple[KVEventStream, asyncio.Task[None]]]] = {}
         self._context: zmq.asyncio.Context | None = None
         self._running = False
@@ -619,7 +664,13 @@ class KVEventSubscriber:
                 break
             sink = self.index.add_stream(endpoint, rank)
             stream = KVEventStream(
-                self._context, sink, address, replay_address, self.settings, self._log_once
+                self._context,
+                sink,
+                address,
+                replay_address,
+                self.settings,
+                self._log_once,
+                self.wall_clock,
             )
             task = asyncio.get_running_loop().create_task(
                 self._follow(stream), name=f"kv-events-{sink.label}"

@@ -6,8 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from epp.promutil import LATENCY_BUCKETS, BucketCounts, add_histogram
 
 if TYPE_CHECKING:
     from epp.kvindex.service import PrecisePrefixService
@@ -102,6 +109,31 @@ class PrecisePrefixCollector(Collector):
             "1 if the endpoint's KV-event stream is connected (live or replaying).",
             labels=["endpoint"],
         )
+        lag = HistogramMetricFamily(
+            "epp_kv_event_lag_seconds",
+            "Time from a live KV-event batch's timestamp (vLLM's KVEventBatch.ts, stamped"
+            " by the engine on its host's wall clock when the step's events are taken) to"
+            " the batch applied to the index, on this host's wall clock: transport, queueing"
+            " and the EPP's event loop. Across hosts the clock skew between them adds in."
+            " Replayed batches (history) and batches without a usable ts (0, NaN) are not"
+            " observed; one stamped after this host's now (skew) is observed as 0 and"
+            " counted in epp_kv_event_lag_negative_total.",
+            labels=["endpoint"],
+        )
+        negative = CounterMetricFamily(
+            "epp_kv_event_lag_negative",
+            "Live KV-event batches stamped after this host's wall clock when applied"
+            " (observed as 0 in epp_kv_event_lag_seconds): the engine host's clock is"
+            " ahead of this one's by more than the true lag.",
+            labels=["endpoint"],
+        )
+        negative_s = CounterMetricFamily(
+            "epp_kv_event_lag_negative_seconds",
+            "How far ahead of this host's wall clock those batches were stamped, summed"
+            " (divided by epp_kv_event_lag_negative_total: the mean skew less the mean"
+            " lag, a lower bound of the skew).",
+            labels=["endpoint"],
+        )
         for endpoint, streams in service.subscriber.streams.items():
             name = endpoint.name
             by_medium: dict[str, int] = {}
@@ -146,10 +178,18 @@ class PrecisePrefixCollector(Collector):
                 [name],
                 1.0 if all(s.state.value in ("live", "replaying") for s in statuses) else 0.0,
             )
+            add_histogram(
+                lag, [name], BucketCounts.merged((s.lag for s in statuses), LATENCY_BUCKETS)
+            )
+            negative.add_metric([name], sum(s.lag_negative for s in statuses))
+            negative_s.add_metric([name], sum(s.lag_negative_s for s in statuses))
         yield blocks
         yield from families.values()
         yield trusted
         yield connected
+        yield lag
+        yield negative
+        yield negative_s
         stats = service.stats
         lookups = CounterMetricFamily(
             "epp_precise_prefix_lookups",

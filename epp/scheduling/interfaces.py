@@ -14,7 +14,8 @@ called at each of its extension points.
 Rules every plugin follows:
 - Plugins *read* the datastore and endpoint state; they never change it. Only
   sources write the datastore, and only the director counts in-flight requests.
-- `filter`, `score`, `pick`, `pre_request` and `post_response` run on the event loop
+- `filter`, `score`, `pick`, `pre_request`, `response_first_chunk` and
+  `post_response` run on the event loop
   of every request: they must be quick and must not block. Slow work (tokenizing,
   I/O) goes in `DataProducer.prepare`, which is async, or in a `Service`.
 - Time is read from `PluginContext.clock`, a plugin that waits awaits
@@ -34,7 +35,7 @@ Order of a request: candidates (ready endpoints, Envoy's subset hint) -> admissi
 (the saturation detector sheds a request whose objective has a negative priority
 while the pool is saturated; then `Admitter`s) -> data producers -> scheduling
 profiles (filters -> scorers -> picker) -> in-flight count and `PreRequest` ->
-... -> `PostResponse`.
+`ResponseFirstChunk` (the first token) -> `PostResponse`.
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ class DataProducer(Protocol):
 @runtime_checkable
 class Filter(Protocol):
     """Keeps the endpoints that may serve the request, in their original order.
-    Returning no endpoint ends the pick with a 429 (every endpoint ruled out)."""
+    Returning no endpoint ends the pick with a 429 (every endpoint ruled out); a
+    filter that knows better why may raise an `EppError` (a `Shed` with its reason)."""
 
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
@@ -318,6 +320,25 @@ class PostResponse(Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class ResponseFirstChunk(Protocol):
+    """Runs once per routed request when the first chunk of a successful (2xx)
+    response body reaches the EPP: for a streamed completion, the engine's first
+    token, the end of the request's prefill. `elapsed_s` is the time from the pick
+    on `PluginContext.clock`: the time to first token as this EPP sees it for the
+    endpoint it picked (what `predicted-ttft-producer` learns from). Never called
+    when the proxy does not send response bodies to the EPP, nor after
+    `post_response`."""
+
+    def response_first_chunk(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        elapsed_s: float,
+    ) -> None: ...
+
+
 EXTENSION_POINTS: tuple[tuple[str, type], ...] = (
     ("data_source", DataSource),
     ("data_extractor", DataExtractor),
@@ -329,6 +350,7 @@ EXTENSION_POINTS: tuple[tuple[str, type], ...] = (
     ("picker", Picker),
     ("profile_handler", ProfileHandler),
     ("pre_request", PreRequest),
+    ("response_first_chunk", ResponseFirstChunk),
     ("post_response", PostResponse),
 )
 

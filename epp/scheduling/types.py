@@ -141,6 +141,14 @@ class PrefixMatchInfo:
     total_blocks: int
     block_size_tokens: int
     matched: Mapping[Endpoint, float]
+    # The prompt's blocks before the producer's cap (`total_blocks` counts only the
+    # first ones, those it matched); None when it is `total_blocks`.
+    prompt_blocks: int | None = None
+
+    def prompt_tokens(self) -> int:
+        """The prompt's length, in the producer's tokens, to the block."""
+        blocks = self.total_blocks if self.prompt_blocks is None else self.prompt_blocks
+        return blocks * self.block_size_tokens
 
     def ratio(self, endpoint: Endpoint) -> float:
         """The share of the prompt's blocks `endpoint` holds from the first, in [0, 1]."""

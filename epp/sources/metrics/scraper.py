@@ -1,15 +1,15 @@
 """`MetricsScraper`: keeps every endpoint's `metrics` snapshot in the datastore
 fresh by scraping its model server's /metrics page; `ScrapeSettings`, how; and the
 scraper's Prometheus collector (`epp_metrics_scrapes_total`,
-`epp_metrics_stale_endpoints`).
+`epp_metrics_stale_endpoints`, `epp_metrics_scrape_duration_seconds`).
 
 Contract: a scraper runs on the event loop and owns its targets (per endpoint: the
 URL, the kept-alive connection, the scrape in progress, the last page read, the
-trouble last logged) and its scrape counts. The one thing it writes outside itself
-is an endpoint's snapshot, through `Datastore.set_metrics`, and only while the
-endpoint is still in the datastore under the same spec; it follows the endpoint set
-through a datastore listener while `run()` runs. Its collector only reads (the
-counts and the datastore), at exposition time.
+trouble last logged) and its scrape counts and durations. The one thing it writes
+outside itself is an endpoint's snapshot, through `Datastore.set_metrics`, and only
+while the endpoint is still in the datastore under the same spec; it follows the
+endpoint set through a datastore listener while `run()` runs. Its collector only
+reads (the counts, the durations and the datastore), at exposition time.
 """
 
 from __future__ import annotations
@@ -21,18 +21,24 @@ import errno
 import logging
 import math
 import ssl
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
 import aiohttp
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from epp import defaults
+from epp.clock import SYSTEM_CLOCK, Clock
 from epp.datastore import Datastore, Endpoint, EndpointMetrics
+from epp.promutil import LATENCY_BUCKETS, BucketCounts, add_histogram
 from epp.sources.http_fetch import FetchError, KeepAliveFetcher
 from epp.sources.metrics.extractor import MetricsExtractor
 from epp.sources.metrics.page import PageError
@@ -71,6 +77,9 @@ class _Target:
     fetcher: KeepAliveFetcher | None = None  # plain http://; else `task`
     task: asyncio.Task[None] | None = None  # the aiohttp scrape in progress
     started_at: float | None = None  # loop time of the scrape in progress
+    # The scraper's clock at its start, for its duration: the loop's clock above
+    # drives ticks and timeouts, this one is the time facts are dated by.
+    began_at: float | None = None
     last_page: bytes | None = None
     failing: bool = False
     last_error: str | None = None
@@ -88,17 +97,23 @@ class MetricsScraper:
     the answers come back together and are read in a few wakeups of the event loop
     (spreading the scrapes over the period cost about 40% more CPU per scrape:
     one wakeup and context switch each). A scrape still waiting for its answer is
-    not doubled; once `timeout_s` has passed it is dropped as a timeout."""
+    not doubled; once `timeout_s` has passed it is dropped as a timeout.
+
+    `clock` dates the snapshots (`updated_at`) and times each scrape, from its
+    start to its facts written to the datastore (`scrape_durations`); ticks and
+    timeouts run on the event loop's own clock."""
 
     def __init__(
         self,
         datastore: Datastore,
         extractor: MetricsExtractor,
         settings: ScrapeSettings,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.datastore = datastore
         self.extractor = extractor
         self.settings = settings
+        self.clock = clock
         self._targets: dict[Endpoint, _Target] = {}
         self._session: aiohttp.ClientSession | None = None
         # Built at the first https:// scrape (it reads certificate files).
@@ -107,11 +122,16 @@ class MetricsScraper:
         # Scrapes by result, exposed as a counter at exposition time: a
         # prometheus_client Counter's lock and checks were a tenth of a scrape's CPU.
         self.results = dict.fromkeys(RESULTS, 0)
+        # Seconds from a scrape's start to its facts in the datastore, for the scrapes
+        # that wrote facts (ok, unchanged): how old a snapshot is when it lands, at
+        # most (the page was rendered somewhere in between).
+        self.scrape_durations = BucketCounts(LATENCY_BUCKETS)
 
     # -- the Service contract (epp.scheduling.Service) -------------------------------
 
     def collector(self) -> Collector:
-        """`epp_metrics_scrapes_total` and `epp_metrics_stale_endpoints`."""
+        """`epp_metrics_scrapes_total`, `epp_metrics_stale_endpoints` and
+        `epp_metrics_scrape_duration_seconds`."""
         return _ScraperCollector(self)
 
     def describe_endpoint(self, endpoint: Endpoint) -> dict[str, object]:
@@ -198,6 +218,7 @@ class MetricsScraper:
     @staticmethod
     def _stop(target: _Target) -> None:
         target.started_at = None
+        target.began_at = None
         if target.task is not None:
             target.task.cancel()
             target.task = None
@@ -221,6 +242,7 @@ class MetricsScraper:
 
     def _begin(self, target: _Target, now: float) -> None:
         target.started_at = now
+        target.began_at = self.clock()
         try:
             if target.fetcher is not None:
                 target.fetcher.request()
@@ -311,13 +333,14 @@ class MetricsScraper:
 
     def _read(self, target: _Target, status: int, page: bytes) -> None:
         endpoint = target.endpoint
-        now = time.monotonic()
+        now = self.clock()
         if status != 200:
             self._failed(target, "http_error", f"HTTP {status} from {target.url}")
             return
         if page == target.last_page and not target.failing:
             # The same page as last time (an idle pod): same facts, fresh time.
-            self._store(target, dataclasses.replace(endpoint.metrics, updated_at=now))
+            if self._store(target, dataclasses.replace(endpoint.metrics, updated_at=now)):
+                self._timed(target)
             self.results["unchanged"] += 1
             return
         try:
@@ -329,19 +352,29 @@ class MetricsScraper:
             self._failed(target, "bad_page", str(exc))
             return
         target.last_page = page
-        self._store(target, snapshot)
+        if self._store(target, snapshot):
+            self._timed(target)
         self.results["ok"] += 1
         if target.failing:
             target.failing = False
             target.last_error = None
             log.info("metrics of %s are back (%s)", endpoint.name, target.url)
 
-    def _store(self, target: _Target, snapshot: EndpointMetrics) -> None:
+    def _store(self, target: _Target, snapshot: EndpointMetrics) -> bool:
+        """Write `snapshot` to the datastore; False if the endpoint is gone."""
         endpoint = target.endpoint
         # A removed endpoint, or one replaced by a new spec under the same name,
         # must not receive this scrape.
         if self._targets.get(endpoint) is target and self.datastore.get(endpoint.name) is endpoint:
             self.datastore.set_metrics(endpoint.name, snapshot)
+            return True
+        return False
+
+    def _timed(self, target: _Target) -> None:
+        """The scrape's facts are in the datastore: its duration is known."""
+        began, target.began_at = target.began_at, None
+        if began is not None:
+            self.scrape_durations.observe(self.clock() - began)
 
     def _failed(
         self, target: _Target, result: str, message: str, unreachable: bool = False
@@ -381,8 +414,8 @@ def _refused(exc: BaseException) -> bool:
 
 
 class _ScraperCollector(Collector):
-    """`epp_metrics_scrapes_total` and `epp_metrics_stale_endpoints`, computed at
-    exposition time."""
+    """`epp_metrics_scrapes_total`, `epp_metrics_stale_endpoints` and
+    `epp_metrics_scrape_duration_seconds`, computed at exposition time."""
 
     def __init__(self, scraper: MetricsScraper) -> None:
         self.scraper = scraper
@@ -399,7 +432,17 @@ class _ScraperCollector(Collector):
         for result, count in self.scraper.results.items():
             scrapes.add_metric([result], count)
         yield scrapes
-        now = time.monotonic()
+        durations = HistogramMetricFamily(
+            "epp_metrics_scrape_duration_seconds",
+            "Time from the start of a scrape of one endpoint's model-server /metrics page"
+            " to its facts written to the datastore: the request, the model server's"
+            " answer, reading the page, and waits on the EPP's event loop. Scrapes that"
+            " wrote facts only (results ok and unchanged); failed ones are in"
+            " epp_metrics_scrapes_total.",
+        )
+        add_histogram(durations, [], self.scraper.scrape_durations)
+        yield durations
+        now = self.scraper.clock()
         family = GaugeMetricFamily(
             "epp_metrics_stale_endpoints",
             "Endpoints whose model-server metrics are older than the staleness threshold"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from bench.lab.calibrate import _fit
+from bench.lab.calibrate import _fit, read_histogram
 from bench.lab.fidelity import Case, compare, markdown
 
 CASE = Case("shared-prefix", {}, 10.0)
@@ -14,6 +15,34 @@ def test_a_line_through_two_medians() -> None:
     fixed, per_token = _fit({2048: 0.0230, 128: 0.0038})
     assert fixed == pytest.approx(0.00252)
     assert per_token == pytest.approx(1e-5)
+
+
+def test_quantiles_from_the_buckets_of_an_epp_page() -> None:
+    """Read off a page as the EPP serves it, summed over endpoints, the window's
+    observations only; quantiles interpolated within a bucket, as Prometheus does."""
+    registry = CollectorRegistry()
+    lag = Histogram(
+        "lag_seconds", "", ["endpoint"], buckets=(0.001, 0.002, 0.005), registry=registry
+    )
+    lag.labels("a").observe(0.0001)  # before the window
+    before = read_histogram(generate_latest(registry).decode(), "lag_seconds")
+    for _ in range(4):
+        lag.labels("a").observe(0.0015)
+    for _ in range(4):
+        lag.labels("b").observe(0.0015)
+    lag.labels("b").observe(0.004)
+    lag.labels("b").observe(7.0)  # beyond the last bound
+    window = read_histogram(generate_latest(registry).decode(), "lag_seconds").minus(before)
+    assert window.count == 10
+    assert window.total == pytest.approx(8 * 0.0015 + 0.004 + 7.0)
+    # The 5th of 10 is the 5th of the 8 in (1 ms, 2 ms].
+    assert window.quantile(0.5) == pytest.approx(0.001 + 0.001 * 5 / 8)
+    assert window.quantile(0.9) == pytest.approx(0.005)  # the 9th: the top of (2, 5 ms]
+    assert window.quantile(0.95) == 0.005  # in +Inf: the highest finite bound
+    summary = window.summary()
+    assert summary["count"] == 10
+    assert summary["buckets"] == {"0.001": 0, "0.002": 8, "0.005": 9, "+Inf": 10}
+    assert read_histogram("", "lag_seconds").quantile(0.5) is None
 
 
 def real(hit: float, p50: float, p90: float) -> dict[str, float]:

@@ -19,10 +19,21 @@ SCORER_SECRET = "scorer-secret-7f3a: do not show this to clients"
 
 
 class Recorder:
-    """A post-response plugin that keeps what it was told about each request."""
+    """A first-chunk and post-response plugin that keeps what it was told about each
+    request."""
 
     def __init__(self, params: object, context: PluginContext) -> None:
         self.records: list[tuple[InferenceRequest, ResponseInfo]] = []
+        self.first_chunks: list[tuple[str, float]] = []  # (request id, seconds from pick)
+
+    def response_first_chunk(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        elapsed_s: float,
+    ) -> None:
+        self.first_chunks.append((request.request_id, elapsed_s))
 
     def post_response(
         self,

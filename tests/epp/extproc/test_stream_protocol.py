@@ -327,6 +327,33 @@ async def test_response_passes_through(epp: Epp) -> None:
     assert await stream.ended() == grpc.StatusCode.OK
 
 
+async def test_the_first_chunk_of_a_successful_response_is_reported_once(
+    start_epp: StartEpp,
+) -> None:
+    epp = await start_epp(config_text=RECORDER_CONFIG)
+    recorder = epp.plugin("recorder")
+    stream = epp.stream()
+    await ec.route(stream, completion_body(prompt="x"), request_id="ok-1")
+    await stream.send(ec.response_headers(200))
+    assert (await stream.expect()).kind == "response_headers"
+    assert recorder.first_chunks == []  # headers are not a token
+    for part in (b"", b"data: one", b"data: two"):
+        await stream.send(ec.response_body(part))
+        assert (await stream.expect()).body == part
+    ((request_id, elapsed),) = recorder.first_chunks
+    assert request_id == "ok-1"
+    assert elapsed >= 0.0
+    await stream.send(ec.response_body(b"", end_of_stream=True))
+    await stream.expect()
+    assert await stream.ended() == grpc.StatusCode.OK
+    assert len(recorder.first_chunks) == 1
+    # An error's body is no first token.
+    failed = epp.stream()
+    await ec.route(failed, completion_body(prompt="x"), request_id="err-1")
+    await ec.respond(failed, [b'{"error": "overloaded"}'], status=503)
+    assert [r for r, _ in recorder.first_chunks] == ["ok-1"]
+
+
 def sse_response(prompt_tokens: int, completion_tokens: int, cached: int) -> bytes:
     usage = {
         "prompt_tokens": prompt_tokens,

@@ -15,6 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from epp.clock import Clock
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.kvindex.alignment import AlignmentChecker
 from epp.kvindex.hashing import EngineHasher
@@ -86,7 +87,10 @@ class Harness:
 
 
 def make_harness(
-    specs: list[EndpointSpec], settings: SubscriberSettings = FAST, seed: str = "0"
+    specs: list[EndpointSpec],
+    settings: SubscriberSettings = FAST,
+    seed: str = "0",
+    wall_clock: Clock = time.time,
 ) -> Harness:
     datastore = Datastore()
     datastore.replace_all(specs)
@@ -94,12 +98,14 @@ def make_harness(
     precise = PreciseIndex(
         PrefixIndex(1_000_000, {"gpu": 1.0, "cpu": 0.8}), hasher, AlignmentChecker(hasher), None
     )
-    return Harness(datastore, precise, KVEventSubscriber(datastore, precise, settings), hasher)
+    subscriber = KVEventSubscriber(datastore, precise, settings, wall_clock=wall_clock)
+    return Harness(datastore, precise, subscriber, hasher)
 
 
-def batch(*events: dict[str, Any], rank: int = 0) -> bytes:
-    """A payload of map-encoded events (vLLM >= 0.24)."""
-    return msgspec.msgpack.encode([time.time(), list(events), rank])
+def batch(*events: dict[str, Any], rank: int = 0, ts: float | None = None) -> bytes:
+    """A payload of map-encoded events (vLLM >= 0.24), stamped `ts` (default: now,
+    as vLLM stamps it)."""
+    return msgspec.msgpack.encode([time.time() if ts is None else ts, list(events), rank])
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str = "GPU") -> dict[str, Any]:

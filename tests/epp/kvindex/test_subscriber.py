@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 import zmq
 
 from bench.stack import free_port
+from epp.clock import Clock, VirtualClock
 from epp.datastore import EndpointSpec
 from epp.kvindex.events import decode_batch
 from epp.kvindex.subscriber import StreamState, SubscriberSettings, offset_address
@@ -83,9 +86,12 @@ async def complete(pod: SimPod, prompt: list[int]) -> None:
 
 
 async def start_harness(
-    harnesses: list[Harness], specs: list[EndpointSpec], settings: SubscriberSettings = FAST
+    harnesses: list[Harness],
+    specs: list[EndpointSpec],
+    settings: SubscriberSettings = FAST,
+    wall_clock: Clock = time.time,
 ) -> Harness:
-    harness = make_harness(specs, settings)
+    harness = make_harness(specs, settings, wall_clock=wall_clock)
     harnesses.append(harness)
     await harness.start()
     return harness
@@ -263,7 +269,10 @@ async def test_a_pod_replaced_on_the_same_ports_is_followed_afresh(
 
 
 async def raw_harness(
-    harnesses: list[Harness], publisher: RawPublisher, replay: bool = True
+    harnesses: list[Harness],
+    publisher: RawPublisher,
+    replay: bool = True,
+    wall_clock: Clock = time.time,
 ) -> Harness:
     harness = await start_harness(
         harnesses,
@@ -275,6 +284,7 @@ async def raw_harness(
                 kv_events_replay=publisher.replay_address if replay else None,
             )
         ],
+        wall_clock=wall_clock,
     )
     await publisher.wait_subscribed()
     return harness
@@ -426,6 +436,112 @@ async def test_data_parallel_ranks_publish_on_consecutive_ports(
     info = harness.subscriber.describe(harness.endpoint("dp"))
     assert info is not None
     assert [r["lastSeq"] for r in info["ranks"]] == [0, 1]
+
+
+# --- the lag of live batches -------------------------------------------------------------
+
+
+# Without a replay socket where a batch must arrive live: with one, the resync at the
+# connection may fetch it from the replay buffer first.
+
+
+def lag_buckets(harness: Harness, name: str = "raw") -> dict[float, int]:
+    """The stream's lag histogram as {upper bound: observations <= it}."""
+    return {float(le): int(count) for le, count in harness.stream(name).status.lag.cumulative()}
+
+
+async def test_a_live_batch_lag_is_read_on_the_injected_wall_clock(
+    publishers: list[RawPublisher], harnesses: list[Harness]
+) -> None:
+    wall = VirtualClock(1_700_000_000.0)
+    publisher = RawPublisher()
+    publishers.append(publisher)
+    harness = await raw_harness(harnesses, publisher, replay=False, wall_clock=wall)
+    await publisher.send(0, batch(stored([1]), ts=wall() - 0.25))
+    await wait_for(lambda: harness.stream("raw").status.last_seq == 0)
+    lag = harness.stream("raw").status.lag
+    assert (lag.count, lag.sum) == (1, 0.25)
+    buckets = lag_buckets(harness)
+    assert buckets[0.1] == 0
+    assert buckets[0.25] == buckets[math.inf] == 1  # le is "less than or equal"
+    assert harness.stream("raw").status.lag_negative == 0
+
+
+async def test_batches_without_a_usable_ts_are_not_observed(
+    publishers: list[RawPublisher], harnesses: list[Harness]
+) -> None:
+    wall = VirtualClock(1_700_000_000.0)
+    publisher = RawPublisher()
+    publishers.append(publisher)
+    harness = await raw_harness(harnesses, publisher, replay=False, wall_clock=wall)
+    await publisher.send(0, batch(stored([1]), ts=0.0))  # a producer that stamps nothing
+    await publisher.send(1, batch(stored([2]), ts=math.nan))
+    await publisher.send(2, batch(stored([3]), ts=wall() - 0.002))
+    await wait_for(lambda: harness.stream("raw").status.last_seq == 2)
+    assert harness.keys("raw") == {1, 2, 3}  # applied all the same
+    status = harness.stream("raw").status
+    assert status.lag.count == 1
+    assert status.lag.sum == pytest.approx(0.002, abs=1e-6)  # floats near 1.7e9
+    assert status.lag_negative == 0
+
+
+async def test_a_batch_stamped_ahead_of_our_clock_is_observed_as_zero_and_counted(
+    publishers: list[RawPublisher], harnesses: list[Harness]
+) -> None:
+    """Clock skew: the engine's host is 0.5 s ahead. Nothing is dropped: the batch is
+    in the histogram (at 0) and the skew in the negative counters."""
+    wall = VirtualClock(1_700_000_000.0)
+    publisher = RawPublisher()
+    publishers.append(publisher)
+    harness = await raw_harness(harnesses, publisher, replay=False, wall_clock=wall)
+    await publisher.send(0, batch(stored([1]), ts=wall() + 0.5))
+    await wait_for(lambda: harness.stream("raw").status.last_seq == 0)
+    status = harness.stream("raw").status
+    assert (status.lag.count, status.lag.sum) == (1, 0.0)
+    assert lag_buckets(harness)[0.0001] == 1
+    assert (status.lag_negative, status.lag_negative_s) == (1, 0.5)
+
+
+async def test_replayed_batches_are_history_not_lag(
+    publishers: list[RawPublisher], harnesses: list[Harness]
+) -> None:
+    """A late subscriber replays what the engine did before it came: those batches
+    are an hour old, which is no lag of the index; only the live one counts."""
+    wall = VirtualClock(1_700_000_000.0)
+    publisher = RawPublisher()
+    publishers.append(publisher)
+    publisher.sent = {
+        0: batch(stored([1]), ts=wall() - 3600.0),
+        1: batch(stored([2]), ts=wall() - 3599.0),
+    }
+    harness = await raw_harness(harnesses, publisher, wall_clock=wall)
+    # The resync at the connection learns batches 0 and 1 from the replay socket.
+    await wait_for(lambda: harness.keys("raw") == {1, 2}, what="the replayed batches")
+    await publisher.send(2, batch(stored([3]), ts=wall() - 0.01))
+    await wait_for(lambda: harness.stream("raw").status.last_seq == 2)
+    assert harness.keys("raw") == {1, 2, 3}
+    assert harness.stream("raw").status.replays >= 1
+    lag = harness.stream("raw").status.lag
+    assert lag.count == 1
+    assert lag.sum == pytest.approx(0.01, abs=1e-6)
+
+
+async def test_the_lag_of_a_simulated_pod_on_the_wall_clock(
+    pods: StartPod, harnesses: list[Harness]
+) -> None:
+    """The simulator stamps time.time() as it publishes, as vLLM does: on one host
+    the lag is positive and small, one observation per batch applied live."""
+    pod = await pods()
+    harness = await start_harness(harnesses, [spec("a", pod)])
+    await connected(harness, "a")
+    for seed in (1, 2, 3):
+        await complete(pod, prompt(seed))
+    await wait_for(lambda: harness.keys("a") == truth(pod) != set(), what="the blocks")
+    status = harness.stream("a").status
+    assert status.last_seq is not None
+    assert status.lag.count == status.last_seq + 1  # every batch, all of them live
+    assert status.lag_negative == 0  # one host, one clock
+    assert 0.0 < status.lag.sum / status.lag.count < 1.0
 
 
 def test_offset_addresses() -> None:

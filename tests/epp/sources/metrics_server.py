@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -21,6 +22,8 @@ class MetricsServer:
     gzip: bool = False
     close: bool = False  # answer with Connection: close
     requests: int = 0
+    # Called as each request arrives (a test moving its clock while a scrape is out).
+    on_request: Callable[[], None] | None = None
     peers: set[tuple[str, int]] = field(default_factory=set)  # client connections seen
     _runner: web.AppRunner | None = None
     port: int = 0
@@ -50,6 +53,8 @@ class MetricsServer:
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
+        if self.on_request is not None:
+            self.on_request()
         peer = request.transport.get_extra_info("peername") if request.transport else None
         if peer is not None:
             self.peers.add((str(peer[0]), int(peer[1])))

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
+from epp.clock import Clock, VirtualClock
 from epp.datastore import WAITING, Datastore, Endpoint, EndpointSpec
 from epp.sources.metrics import MetricsExtractor, MetricsScraper, ScrapeSettings, describe_metrics
 from tests.epp.sources.metrics_server import MetricsServer
@@ -38,7 +39,9 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def scraping(
-    servers: dict[str, MetricsServer | str], settings: ScrapeSettings = FAST
+    servers: dict[str, MetricsServer | str],
+    settings: ScrapeSettings = FAST,
+    clock: Clock = time.monotonic,
 ) -> AsyncIterator[tuple[Running, CollectorRegistry]]:
     datastore = Datastore()
     datastore.replace_all(
@@ -46,7 +49,7 @@ async def scraping(
         for name, s in servers.items()
     )
     registry = CollectorRegistry()
-    scraper = MetricsScraper(datastore, MetricsExtractor(), settings)
+    scraper = MetricsScraper(datastore, MetricsExtractor(), settings, clock=clock)
     registry.register(scraper.collector())
     task = asyncio.create_task(scraper.run())
     try:
@@ -91,6 +94,44 @@ async def test_every_endpoint_gets_fresh_metrics(servers: list[MetricsServer]) -
         assert sample(registry, "epp_metrics_stale_endpoints") == 0
     # One connection per endpoint, kept alive across scrapes.
     assert all(len(s.peers) == 1 for s in servers)
+
+
+@pytest.mark.parametrize("http_client", ["fast", "aiohttp"])
+async def test_a_scrape_is_timed_from_its_start_to_its_facts_in_the_datastore(
+    servers: list[MetricsServer], http_client: str
+) -> None:
+    """Every scrape takes 0.25 s on the scraper's clock (the server moves it while
+    answering): each is observed as exactly that, and the facts are dated by that
+    clock too. A failed scrape writes no facts and is not timed."""
+    clock = VirtualClock(1000.0)
+    servers[0].on_request = lambda: clock.advance(0.25)
+    settings = ScrapeSettings(
+        interval_s=0.02, timeout_s=0.2, staleness_s=60.0, http_client=http_client
+    )
+    async with scraping({"pod": servers[0]}, settings, clock) as (run, registry):
+        durations = run.scraper.scrape_durations
+        await run.until(lambda: durations.count >= 3)
+        assert durations.sum == 0.25 * durations.count
+        assert sample(registry, "epp_metrics_scrape_duration_seconds_count") == durations.count
+        assert sample(registry, "epp_metrics_scrape_duration_seconds_bucket", {"le": "0.1"}) == 0
+        assert sample(
+            registry, "epp_metrics_scrape_duration_seconds_bucket", {"le": "0.25"}
+        ) == sample(registry, "epp_metrics_scrape_duration_seconds_bucket", {"le": "+Inf"})
+        # Dated on the injected clock, at the end of a 0.25 s scrape.
+        updated_at = run.endpoint("pod").metrics.updated_at
+        assert updated_at >= 1000.25
+        assert (updated_at - 1000.0) % 0.25 == 0
+        servers[0].status = 500
+        await run.until(lambda: run.endpoint("pod").metrics.error is not None)
+        timed = durations.count
+        failed = sample(registry, "epp_metrics_scrapes_total", {"result": "http_error"})
+        await run.until(
+            lambda: (
+                sample(registry, "epp_metrics_scrapes_total", {"result": "http_error"})
+                >= failed + 3
+            )
+        )
+        assert durations.count == timed
 
 
 async def test_a_hung_metrics_endpoint_turns_stale_with_the_reason(

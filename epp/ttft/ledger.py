@@ -1,0 +1,94 @@
+"""What this EPP has sent to one pod and not yet seen finish its prefill: the pod's
+prefill backlog, in predicted seconds of work, kept exact and current.
+
+An engine runs prefills first come, first served (vLLM's FCFS scheduler, chunked
+prefill). The ledger mirrors that queue:
+
+- `charge` (at the pick): the request joins the queue with its predicted prefill
+  time; the backlog grows by it.
+- time passing: the pod works through the backlog at one second per second, so
+  `backlog(now)` is what was charged minus the time since, never below zero.
+- `started` (the request's first response chunk: its prefill is over): everything
+  charged before it is over too, so the backlog can be at most the work charged
+  after it. This re-anchors the estimate to what the pod really did, at every
+  first token, whether the pod ran slower or faster than predicted.
+- `release` (the request ended): if it ended before its first token (aborted) its
+  work leaves the queue; if it was decoding, the pod decodes one fewer request.
+
+A request charged to a pod is tracked by an opaque key (the caller's), and a
+state machine keeps each request's transitions in order: queued -> decoding ->
+gone, or queued -> gone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Queued:
+    work_s: float
+
+
+class PodLedger:
+    """One pod's queued prefill work and decoding requests, as this EPP sent them."""
+
+    __slots__ = ("_as_of", "_backlog_s", "_queued", "decoding")
+
+    def __init__(self) -> None:
+        self._queued: OrderedDict[Hashable, _Queued] = OrderedDict()
+        self._backlog_s = 0.0
+        self._as_of = 0.0
+        self.decoding = 0
+
+    def _drain(self, now: float) -> None:
+        if now > self._as_of:
+            self._backlog_s = max(0.0, self._backlog_s - (now - self._as_of))
+            self._as_of = now
+
+    def backlog(self, now: float) -> float:
+        """Predicted seconds of prefill work ahead of a request arriving now."""
+        self._drain(now)
+        return self._backlog_s
+
+    @property
+    def queued(self) -> int:
+        """Requests charged here that have not produced a first token."""
+        return len(self._queued)
+
+    def charge(self, key: Hashable, work_s: float, now: float) -> None:
+        self._drain(now)
+        work_s = max(0.0, work_s)
+        self._queued[key] = _Queued(work_s)
+        self._backlog_s += work_s
+
+    def started(self, key: Hashable, now: float) -> None:
+        """The request's first token arrived: it decodes from now on."""
+        entry = self._queued.get(key)
+        if entry is None:
+            return  # not queued here (already started, or released)
+        self._drain(now)
+        # FCFS: the requests queued before this one are past their prefill too;
+        # they stay queued (their own first chunk moves them), but the work left
+        # is at most what was charged after this one.
+        after = 0.0
+        seen = False
+        for other, queued in self._queued.items():
+            if seen:
+                after += queued.work_s
+            elif other == key:
+                seen = True
+        del self._queued[key]
+        self._backlog_s = min(self._backlog_s, after)
+        self.decoding += 1
+
+    def release(self, key: Hashable, was_decoding: bool, now: float) -> None:
+        """The request ended (completed or aborted)."""
+        entry = self._queued.pop(key, None)
+        if entry is not None:
+            self._drain(now)
+            self._backlog_s = max(0.0, self._backlog_s - entry.work_s)
+        elif was_decoding:
+            self.decoding = max(0, self.decoding - 1)

@@ -1,0 +1,150 @@
+"""A linear model of time to first token, fitted online from what the EPP observes.
+
+    ttft = w . x        x = (1, queued_s, prefill_ktokens, attention_mpairs, decoding, waiting)
+
+- `queued_s`: the predicted prefill work ahead of the request on the pod, in
+  seconds (the ledger's backlog, `epp.ttft.ledger`);
+- `prefill_ktokens`: the request's own uncached prompt tokens, in thousands;
+- `attention_mpairs`: the attention those tokens compute, in millions of (new
+  token, attended token) pairs: u x (m + u / 2) for u uncached tokens after m
+  cached ones. Prefill time is linear in tokens for the matrix multiplies and
+  grows with this for attention, which matters for long prompts;
+- `decoding`: requests the pod is decoding, whose tokens share every step;
+- `waiting`: requests the pod itself reports waiting (its scraped metrics): an
+  engine whose batch is full (max_num_seqs, or no KV blocks left) makes new
+  requests wait for a running one to end, and requests from other EPP replicas
+  or clients queue there unseen by this EPP's own ledger.
+
+The weights are fitted by recursive least squares with exponential forgetting
+(each observation's weight decays by `forgetting` per later observation, so the
+fit follows a fleet whose speed changes), starting from a prior that is right in
+magnitude for a mid-sized model on a current GPU and that the first few dozen
+observations override. Two guards keep one bad observation from moving it much:
+a residual is clipped to a few times the running median absolute residual
+before it updates (Huber-like), and predictions use the weights clamped at zero
+(a negative cost of a token makes no physical sense and would invert routing;
+the fit itself stays unconstrained, so the clamp biases nothing it learns
+later). The update is O(k^2) for k = 6 features: a few microseconds in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+FEATURES: Final = ("fixed", "queued", "prefill", "attention", "decoding", "waiting")
+
+# Prior weights: 20 ms fixed (HTTP, scheduling, one step), the backlog counted
+# as it is predicted, 30 ms per 1,000 uncached tokens (~33k tokens/s), 1 ms per
+# million attention pairs, 1 ms per decoding request, 50 ms per waiting request.
+PRIOR_WEIGHTS: Final = (0.02, 1.0, 0.03, 0.001, 0.001, 0.05)
+# How far the prior may be from the truth (variance of each weight), and the
+# typical error of one observation (seconds): least squares weighs the prior
+# against observations by the ratio of the two, so with these a dozen
+# observations outweigh the prior.
+PRIOR_VARIANCE: Final = (1e-2, 1.0, 1e-2, 1e-4, 1e-4, 1e-2)
+OBSERVATION_ERROR_S: Final = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class TtftFeatures:
+    """What a prediction is made of, for one request on one pod."""
+
+    queued_s: float
+    prefill_tokens: float
+    attention_pairs: float
+    decoding: int
+    waiting: int = 0
+
+    def vector(self) -> tuple[float, ...]:
+        return (
+            1.0,
+            self.queued_s,
+            self.prefill_tokens / 1e3,
+            self.attention_pairs / 1e6,
+            float(self.decoding),
+            float(self.waiting),
+        )
+
+
+def attention_pairs(uncached: float, cached: float) -> float:
+    """(new token, attended token) pairs of prefilling `uncached` tokens after
+    `cached` ones, causally."""
+    return uncached * (cached + uncached / 2.0)
+
+
+class OnlineTtftModel:
+    """The weights and their running fit (see the module docstring)."""
+
+    def __init__(
+        self,
+        forgetting: float = 0.995,
+        prior: Sequence[float] = PRIOR_WEIGHTS,
+        prior_variance: Sequence[float] = PRIOR_VARIANCE,
+        clip: float = 4.0,
+    ) -> None:
+        if not 0.5 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0.5, 1], got {forgetting}")
+        if len(prior) != len(FEATURES) or len(prior_variance) != len(FEATURES):
+            raise ValueError(f"the model has {len(FEATURES)} weights")
+        self.forgetting = forgetting
+        self.clip = clip
+        self._fit = list(prior)  # the unconstrained least-squares estimate
+        self.weights = [max(0.0, w) for w in prior]  # what predictions use
+        k = len(FEATURES)
+        # Forgetting inflates the variance of a weight no observation informs (a
+        # fleet that never decodes tells nothing of `decoding`) without bound, and
+        # the first observation that does would then swing it wildly ("windup"):
+        # a weight's variance is kept at most 100 times its prior.
+        scaled = [v / OBSERVATION_ERROR_S**2 for v in prior_variance]
+        self._cap = [100.0 * v for v in scaled]
+        self._p = [[scaled[i] if i == j else 0.0 for j in range(k)] for i in range(k)]
+
+        # Running scale of the residuals (an exponential median estimate).
+        self._scale: float | None = None
+        self.observations = 0
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights, x, strict=True))
+
+    def _residual(self, x: Sequence[float], y: float) -> float:
+        return y - sum(w * v for w, v in zip(self._fit, x, strict=True))
+
+    def observe(self, x: Sequence[float], y: float) -> float:
+        """Fit one observation (`x`, observed TTFT `y` seconds); returns the
+        prediction it had before the update."""
+        before = self.predict(x)
+        residual = self._residual(x, y)
+        scale = self._scale
+        if scale is not None:
+            # Move the median estimate up or down by a fraction of itself.
+            scale *= 1.05 if abs(residual) > scale else 0.95
+            limit = self.clip * scale
+            residual = max(-limit, min(limit, residual))
+        else:
+            scale = max(abs(residual), 1e-3)
+        self._scale = max(scale, 1e-4)
+        lam = self.forgetting
+        p = self._p
+        k = len(x)
+        px = [sum(p[i][j] * x[j] for j in range(k)) for i in range(k)]
+        denominator = lam + sum(x[i] * px[i] for i in range(k))
+        gain = [v / denominator for v in px]
+        for i in range(k):
+            self._fit[i] += gain[i] * residual
+            self.weights[i] = max(0.0, self._fit[i])
+            row = p[i]
+            for j in range(k):
+                row[j] = (row[j] - gain[i] * px[j]) / lam
+        for i in range(k):
+            if p[i][i] > self._cap[i]:
+                shrink = (self._cap[i] / p[i][i]) ** 0.5
+                for j in range(k):
+                    p[i][j] *= shrink
+                    p[j][i] *= shrink
+        self.observations += 1
+        return before
+
+    def describe(self) -> dict[str, float]:
+        return dict(zip(FEATURES, self.weights, strict=True))

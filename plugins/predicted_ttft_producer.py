@@ -1,0 +1,389 @@
+"""`predicted-ttft-producer`: each candidate pod's predicted time to first token for
+the request, in seconds, from a model this EPP fits online to the TTFTs it
+observes; `predicted-ttft-scorer` picks on it.
+
+The prediction for pod p (epp/ttft/model.py, docs/routing.md explains it):
+
+    ttft(p) = fixed + queued(p) + f(p) * (prefill(U) + attention(U, C))
+              + decoding(p) + waiting(p)
+
+- `queued(p)`: the predicted prefill work this EPP has sent to p that has not
+  produced its first token yet, drained at one second per second and re-anchored
+  at every first token (epp/ttft/ledger.py);
+- U = the prompt's tokens minus the C tokens of its prefix that p holds, from the
+  prefix producer named `prefixMatchInfoProducerName` (default
+  `approx-prefix-cache-producer`; a precise producer's match works the same);
+  attention grows with U x (C + U / 2);
+- `decoding(p)`: requests this EPP has on p past their first token;
+- `waiting(p)`: requests p reports waiting in its metrics (a full batch; other
+  replicas' traffic);
+- f(p): the pod's own speed relative to the fleet, learnt from its observations
+  (1 for a new pod, kept in [0.25, 4]).
+
+The weights are shared by the fleet and fitted by recursive least squares from
+every observation: the time from the pick to the first chunk of the response
+(`ResponseFirstChunk`), with the features the prediction was made from. So the
+model needs no configuration of hardware or model size, follows a fleet whose
+speed changes, and learns a pod that is slower than the others through f(p).
+A pod without observations is predicted with the fleet's weights, so nothing has
+to be explored to route well from the first request.
+
+Lifecycle of a request on its pod: the pick charges the pod's ledger with the
+request's predicted prefill (`pre_request`); its first response chunk moves it to
+decoding and is one observation (`response_first_chunk`); its end takes it off
+(`post_response`). Without response bodies reaching the EPP (an Envoy config that
+does not stream them), nothing is observed: predictions keep the prior weights
+and a request counts as queued until its end.
+
+Parameters: `prefixMatchInfoProducerName`; `forgetting` (0.995: the weight of an
+observation decays by this per later one, a memory of about 200 observations);
+`podAdaptRate` (0.05: how fast f(p) follows a pod's observed/predicted ratio).
+
+Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
+observed per observed request), `epp_ttft_observed_seconds{plugin}`,
+`epp_ttft_model_weight{plugin,feature}`. /debug/explain shows each candidate's
+prediction and its parts; /debug/endpoints each pod's queue, decoding requests
+and speed factor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Final
+
+import msgspec
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from epp.datastore import WAITING, Endpoint
+from epp.promutil import shared
+from epp.requests import InferenceRequest
+from epp.scheduling import (
+    METRICS,
+    CycleState,
+    PluginContext,
+    ResponseInfo,
+    SchedulingResult,
+    StateKey,
+    prefix_match_key,
+)
+from epp.ttft.ledger import PodLedger
+from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pairs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRODUCER: Final = "predicted-ttft-producer"
+DEFAULT_PREFIX_PRODUCER: Final = "approx-prefix-cache-producer"
+MIN_POD_FACTOR: Final = 0.25
+MAX_POD_FACTOR: Final = 4.0
+_ERROR_BUCKETS: Final = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+_TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TtftPrediction:
+    """One pod's predicted TTFT for one request, and what it is made of (seconds)."""
+
+    seconds: float
+    features: TtftFeatures
+    factor: float  # the pod's speed factor f(p) the own-prefill part was scaled by
+    x: tuple[float, ...]  # the model's feature vector
+    parts: Mapping[str, float]  # seconds per model term
+    cached_tokens: int
+    uncached_tokens: int
+
+    @property
+    def own_work_s(self) -> float:
+        """The request's own prefill on the pod: what later requests would wait for."""
+        return self.parts["prefill"] + self.parts["attention"]
+
+    def describe(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"predictedTtftMs": round(self.seconds * 1e3, 3)}
+        out.update({f"{k}Ms": round(v * 1e3, 3) for k, v in self.parts.items()})
+        out["cachedTokens"] = self.cached_tokens
+        out["uncachedTokens"] = self.uncached_tokens
+        out["podFactor"] = round(self.factor, 4)
+        return out
+
+
+def predicted_ttft_key(producer: str) -> StateKey[TtftPredictions]:
+    """Where the producer named `producer` leaves a request's `TtftPredictions`."""
+    return StateKey(f"PredictedTtft/{producer}")
+
+
+class _Pod:
+    __slots__ = ("factor", "ledger", "observations", "tokens_in_flight")
+
+    def __init__(self) -> None:
+        self.ledger = PodLedger()
+        self.factor = 1.0
+        self.observations = 0
+        # Uncached prompt tokens of the requests in flight here, from pick to end
+        # (llm-d's in-flight token load): the scorer's tie-break.
+        self.tokens_in_flight = 0
+
+
+@dataclass(slots=True)
+class _Charge:
+    """What a routed request charged, kept in its cycle until its end."""
+
+    pod: _Pod
+    prediction: TtftPrediction
+    key: object
+    decoding: bool = False
+    released: bool = False
+
+
+class TtftPredictions:
+    """What the producer leaves for one request: each pod's prediction, computed
+    when first asked and then kept (so a pick reads every pod at one instant)."""
+
+    __slots__ = ("_cache", "_cycle", "_producer", "_request")
+
+    def __init__(
+        self, producer: PredictedTtftProducer, request: InferenceRequest, cycle: CycleState
+    ) -> None:
+        self._producer = producer
+        self._request = request
+        self._cycle = cycle
+        self._cache: dict[Endpoint, TtftPrediction] = {}
+
+    def requests_in_flight(self, endpoint: Endpoint) -> int:
+        """Requests this EPP has on `endpoint`: queued for prefill or decoding."""
+        return self._producer.requests_in_flight(endpoint)
+
+    def tokens_in_flight(self, endpoint: Endpoint) -> int:
+        """Uncached prompt tokens of the requests this EPP has on `endpoint`."""
+        return self._producer.tokens_in_flight(endpoint)
+
+    def predict(self, endpoint: Endpoint) -> TtftPrediction:
+        found = self._cache.get(endpoint)
+        if found is None:
+            found = self._producer.predict(self._cycle, endpoint)
+            self._cache[endpoint] = found
+        return found
+
+
+class PredictedTtftProducer:
+    consumes = frozenset({METRICS})  # the pods' waiting requests
+
+    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+        prefix_match_info_producer_name: str = ""
+        forgetting: Annotated[float, msgspec.Meta(gt=0.5, le=1.0)] = 0.995
+        pod_adapt_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+
+    def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.name = context.name
+        self.key = predicted_ttft_key(context.name)
+        self.prefix_key = prefix_match_key(
+            params.prefix_match_info_producer_name or DEFAULT_PREFIX_PRODUCER
+        )
+        self.clock = context.clock
+        self.model = OnlineTtftModel(forgetting=params.forgetting)
+        self.adapt = params.pod_adapt_rate
+        self._pods: dict[Endpoint, _Pod] = {}
+        self._charge: StateKey[_Charge] = StateKey(f"predicted-ttft-charge/{context.name}")
+        self._warned_no_prefix = False
+        context.datastore.add_listener(self._membership)
+        registry = context.metrics
+        self._error = shared(
+            registry,
+            "epp_ttft_prediction_error_ratio",
+            lambda: Histogram(
+                "epp_ttft_prediction_error_ratio",
+                "|predicted - observed| / observed time to first token, per request whose"
+                " first response chunk the EPP saw (predicted at its pick).",
+                ["plugin"],
+                buckets=_ERROR_BUCKETS,
+                registry=registry,
+            ),
+        ).labels(self.name)
+        self._observed = shared(
+            registry,
+            "epp_ttft_observed_seconds",
+            lambda: Histogram(
+                "epp_ttft_observed_seconds",
+                "Time from the pick to the first response chunk, as the EPP saw it.",
+                ["plugin"],
+                buckets=_TTFT_BUCKETS,
+                registry=registry,
+            ),
+        ).labels(self.name)
+        shared(registry, "epp_ttft_model_weight", lambda: _WeightsCollector(registry)).add(
+            self.name, self.model
+        )
+
+    def _membership(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        # A pod that leaves takes its queue and speed with it; requests still
+        # running there release into the old ledger, never a new pod's.
+        for endpoint in removed:
+            self._pods.pop(endpoint, None)
+
+    def _pod(self, endpoint: Endpoint) -> _Pod:
+        pod = self._pods.get(endpoint)
+        if pod is None:
+            pod = self._pods[endpoint] = _Pod()
+        return pod
+
+    def requests_in_flight(self, endpoint: Endpoint) -> int:
+        pod = self._pods.get(endpoint)
+        return 0 if pod is None else pod.ledger.queued + pod.ledger.decoding
+
+    def tokens_in_flight(self, endpoint: Endpoint) -> int:
+        pod = self._pods.get(endpoint)
+        return 0 if pod is None else pod.tokens_in_flight
+
+    # -- predicting -----------------------------------------------------------------
+
+    def predict(self, cycle: CycleState, endpoint: Endpoint) -> TtftPrediction:
+        info = cycle.get(self.prefix_key)
+        if info is None:
+            if not self._warned_no_prefix:
+                self._warned_no_prefix = True
+                log.warning(
+                    "%s: no prefix match from %s for a request: predicting as if no pod"
+                    " held any of its prompt (is the producer in the config?)",
+                    self.name,
+                    self.prefix_key.name,
+                )
+            prompt, cached = 0, 0
+        else:
+            prompt = info.prompt_tokens()
+            cached = min(prompt, round(info.matched.get(endpoint, 0.0) * info.block_size_tokens))
+        uncached = prompt - cached
+        pod = self._pods.get(endpoint)
+        now = self.clock()
+        queued = pod.ledger.backlog(now) if pod is not None else 0.0
+        decoding = pod.ledger.decoding if pod is not None else 0
+        factor = pod.factor if pod is not None else 1.0
+        metrics = endpoint.metrics
+        waiting = metrics.waiting_requests if metrics.known(WAITING, now) else 0
+        features = TtftFeatures(
+            queued, uncached, attention_pairs(uncached, cached), decoding, waiting
+        )
+        raw = features.vector()
+        # The pod's speed scales its own prefill; the queue is already in its seconds.
+        x = (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5])
+        parts = {name: w * v for name, w, v in zip(FEATURES, self.model.weights, x, strict=True)}
+        return TtftPrediction(
+            seconds=sum(parts.values()),
+            features=features,
+            factor=factor,
+            x=x,
+            parts=parts,
+            cached_tokens=cached,
+            uncached_tokens=uncached,
+        )
+
+    # -- extension points --------------------------------------------------------------
+
+    async def prepare(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> None:
+        cycle.put(self.key, TtftPredictions(self, request, cycle))
+
+    def pre_request(
+        self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
+    ) -> None:
+        predictions = cycle.get(self.key)
+        if predictions is None or not result.targets:
+            return
+        endpoint = result.targets[0]
+        prediction = predictions.predict(endpoint)
+        pod = self._pod(endpoint)
+        # The request's own prefill joins the pod's queue: what later requests wait for.
+        own = prediction.own_work_s
+        key = object()
+        now = self.clock()
+        pod.ledger.charge(key, own, now)
+        pod.tokens_in_flight += prediction.uncached_tokens
+        cycle.put(self._charge, _Charge(pod, prediction, key))
+
+    def response_first_chunk(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        elapsed_s: float,
+    ) -> None:
+        charge = cycle.get(self._charge)
+        if charge is None or charge.decoding or charge.released:
+            return
+        charge.decoding = True
+        pod = charge.pod
+        pod.ledger.started(charge.key, self.clock())
+        predicted = charge.prediction.seconds
+        if not (elapsed_s > 0 and math.isfinite(elapsed_s)):
+            return
+        self._observed.observe(elapsed_s)
+        if predicted > 0:
+            self._error.observe(abs(predicted - elapsed_s) / elapsed_s)
+        self.model.observe(charge.prediction.x, elapsed_s)
+        pod.observations += 1
+        if predicted > 0 and self.adapt > 0:
+            # Follow the pod's observed / predicted ratio in log space, a step of
+            # `adapt` per observation, one observation moving it by at most 2x.
+            step = max(-math.log(2.0), min(math.log(2.0), math.log(elapsed_s / predicted)))
+            factor = pod.factor * math.exp(self.adapt * step)
+            pod.factor = max(MIN_POD_FACTOR, min(MAX_POD_FACTOR, factor))
+
+    def post_response(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        response: ResponseInfo,
+    ) -> None:
+        charge = cycle.get(self._charge)
+        if charge is None or charge.released:
+            return  # released once, however often the end is reported
+        charge.released = True
+        charge.pod.tokens_in_flight = max(
+            0, charge.pod.tokens_in_flight - charge.prediction.uncached_tokens
+        )
+        charge.pod.ledger.release(charge.key, charge.decoding, self.clock())
+
+    def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
+        pod = self._pods.get(endpoint)
+        if pod is None:
+            return {"predictedTtft": {"queuedRequests": 0, "queuedMs": 0.0, "decoding": 0}}
+        return {
+            "predictedTtft": {
+                "queuedRequests": pod.ledger.queued,
+                "queuedMs": round(pod.ledger.backlog(self.clock()) * 1e3, 3),
+                "decoding": pod.ledger.decoding,
+                "podFactor": round(pod.factor, 4),
+                "observations": pod.observations,
+            }
+        }
+
+
+class _WeightsCollector(Collector):
+    """`epp_ttft_model_weight{plugin,feature}`, read from the models at exposition."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._models: dict[str, OnlineTtftModel] = {}
+        registry.register(self)
+
+    def add(self, plugin: str, model: OnlineTtftModel) -> None:
+        self._models[plugin] = model
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("epp_ttft_model_weight", "", labels=["plugin", "feature"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "epp_ttft_model_weight",
+            "The predicted-TTFT model's fitted weights (seconds per unit of each feature:"
+            " fixed, queued seconds, thousands of uncached tokens, millions of attention"
+            " pairs, decoding requests).",
+            labels=["plugin", "feature"],
+        )
+        for plugin, model in self._models.items():
+            for feature, weight in model.describe().items():
+                family.add_metric([plugin, feature], weight)
+        yield family

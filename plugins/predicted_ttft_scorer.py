@@ -1,0 +1,115 @@
+"""`predicted-ttft-scorer`: prefers the pod with the lowest predicted time to first
+token for the request, as `predicted-ttft-producer` (the producer named by
+`predictedTtftProducerName`, default `predicted-ttft-producer`) predicts it.
+
+Pods predicted within `tieTolerance` (0.1: 10%, plus 1 ms) of the best are a tie,
+the predictions' own error being about that large. Ties are ranked by the share
+of the prompt the pod would have to prefill (in tenths: less work for the fleet,
+a prefix kept in one place), then by the uncached tokens this EPP has in flight
+there (llm-d's token load: a prompt no pod holds goes where it adds the least);
+equal ranks score equal, and the picker draws among them. The tied pods score in
+(0.9, 1], the others 0.9 x best / predicted. For a prompt no pod holds half of,
+the tie is `newPrefixTolerance` wide (0.1): where a new prompt group lands, its
+followers go, so balance can be worth more than a few milliseconds now
+(manifests/config/predicted-ttft.yaml sets 1.0).
+
+Each candidate's prediction and its parts (queued, prefill, attention, decoding,
+waiting, fixed) are left for /debug/explain under the scorer's name, and the
+best is logged at debug level. Without the producer's data every endpoint
+scores 1.0 and a warning is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Annotated
+
+import msgspec
+
+from epp.datastore import Endpoint
+from epp.requests import InferenceRequest
+from epp.scheduling import CycleState, PluginContext, explain_note
+
+from .predicted_ttft_producer import DEFAULT_PRODUCER, TtftPrediction, predicted_ttft_key
+
+log = logging.getLogger(__name__)
+
+# Below this a prediction counts as this (a division guard: no TTFT is shorter).
+_FLOOR_S = 1e-4
+_TIE_FLOOR_S = 1e-3
+
+
+def _uncached_tenths(p: TtftPrediction) -> int:
+    """The share of the prompt the pod would have to prefill, in tenths: the same
+    for pods that hold the same prefix to within a block or two."""
+    total = p.cached_tokens + p.uncached_tokens
+    return round(10 * p.uncached_tokens / total) if total > 0 else 0
+
+
+class PredictedTtftScorer:
+    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+        predicted_ttft_producer_name: str = ""
+        tie_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1
+        new_prefix_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1
+
+    def __init__(self, params: Parameters, context: PluginContext) -> None:
+        self.name = context.name
+        self.producer = params.predicted_ttft_producer_name or DEFAULT_PRODUCER
+        self.key = predicted_ttft_key(self.producer)
+        self.tie_tolerance = params.tie_tolerance
+        self.new_prefix_tolerance = params.new_prefix_tolerance
+        self._warned = False
+
+    def score(
+        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
+    ) -> Mapping[Endpoint, float]:
+        predictions = cycle.get(self.key)
+        if predictions is None:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "%s: no predictions from producer %r: every endpoint scores 1.0"
+                    " (declare a predicted-ttft-producer of that name)",
+                    self.name,
+                    self.producer,
+                )
+            return dict.fromkeys(endpoints, 1.0)
+        seconds = {e: max(_FLOOR_S, predictions.predict(e).seconds) for e in endpoints}
+        if not seconds:
+            return {}
+        best = min(seconds.values())
+        explain_note(
+            cycle,
+            self.name,
+            {e.name: predictions.predict(e).describe() for e in endpoints},
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: lowest predicted TTFT %.1f ms of %d candidates",
+                self.name,
+                best * 1e3,
+                len(seconds),
+            )
+        # Predictions closer to the best than their error are a tie. Among those,
+        # the pod this request adds the least prefill work to scores highest (a pod
+        # holding its prefix: less work for the fleet, the prefix kept in one place),
+        # then the one with the fewest requests in flight from this EPP (a prompt no
+        # pod holds spreads the load it will bring); they score in (0.9, 1], the
+        # others below 0.9 in order of prediction. Equal keys score equal: the
+        # picker draws among them.
+        tolerance = self.tie_tolerance
+        if all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
+            tolerance = self.new_prefix_tolerance
+        near = best * (1.0 + tolerance) + _TIE_FLOOR_S
+        keys = {
+            e: (_uncached_tenths(predictions.predict(e)), predictions.tokens_in_flight(e))
+            for e in endpoints
+            if seconds[e] <= near
+        }
+        ranks = {key: i for i, key in enumerate(sorted(set(keys.values())))}
+        step = 0.1 / len(ranks)
+        return {
+            e: 1.0 - step * ranks[keys[e]] if e in keys else 0.9 * best / s
+            for e, s in seconds.items()
+        }

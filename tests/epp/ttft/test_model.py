@@ -1,0 +1,72 @@
+"""The online TTFT model: it learns a fleet's rates, resists outliers, stays physical."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pairs
+
+
+def _fleet(rng: random.Random) -> tuple[TtftFeatures, float]:
+    """A request on a pod whose truth is 8 ms fixed + queue + 50 us per uncached
+    token + 0.2 ms per million attention pairs + 0.5 ms per decoding request."""
+    cached = rng.choice((0, 1024, 3072))
+    uncached = rng.randint(64, 4096)
+    features = TtftFeatures(
+        queued_s=rng.choice((0.0, 0.0, rng.uniform(0.0, 0.3))),
+        prefill_tokens=uncached,
+        attention_pairs=attention_pairs(uncached, cached),
+        decoding=rng.randint(0, 40),
+    )
+    ttft = (
+        0.008
+        + features.queued_s
+        + 50e-6 * uncached
+        + 0.2e-3 * features.attention_pairs / 1e6
+        + 0.5e-3 * features.decoding
+    )
+    return features, ttft * rng.uniform(0.95, 1.05)
+
+
+def test_it_learns_the_fleets_rates_from_observations() -> None:
+    rng = random.Random(7)
+    model = OnlineTtftModel()
+    for _ in range(600):
+        features, ttft = _fleet(rng)
+        model.observe(features.vector(), ttft)
+    weights = model.describe()
+    assert weights["fixed"] == pytest.approx(0.008, rel=0.3)
+    assert weights["queued"] == pytest.approx(1.0, rel=0.1)
+    assert weights["prefill"] == pytest.approx(0.050, rel=0.1)  # seconds per 1,000 tokens
+    assert weights["decoding"] == pytest.approx(0.0005, rel=0.3)
+    errors = []
+    for _ in range(200):
+        features, ttft = _fleet(rng)
+        errors.append(abs(model.predict(features.vector()) - ttft) / ttft)
+    assert sorted(errors)[len(errors) // 2] < 0.05
+
+
+def test_an_outlier_moves_it_little_and_weights_stay_physical() -> None:
+    rng = random.Random(3)
+    model = OnlineTtftModel()
+    for _ in range(400):
+        features, ttft = _fleet(rng)
+        model.observe(features.vector(), ttft)
+    before = dict(model.describe())
+    features, _ = _fleet(rng)
+    model.observe(features.vector(), 60.0)  # a stalled pod: a minute for one request
+    after = model.describe()
+    assert after["prefill"] == pytest.approx(before["prefill"], rel=0.2)
+    # Observations that say tokens cost nothing (or less) never make a weight negative.
+    for _ in range(200):
+        model.observe(TtftFeatures(0.0, 4000, 0.0, 0).vector(), 0.0)
+    assert all(w >= 0.0 for w in model.weights)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="forgetting"):
+        OnlineTtftModel(forgetting=1.5)
+    with pytest.raises(ValueError, match=f"{len(FEATURES)} weights"):
+        OnlineTtftModel(prior=(0.0,))

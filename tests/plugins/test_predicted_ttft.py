@@ -1,0 +1,272 @@
+"""`predicted-ttft-producer` and `predicted-ttft-scorer`: each pod's predicted time to
+first token from its queue, the prefix it holds and a model fitted to observed
+TTFTs; the scorer prefers the fastest, ties going to less work, then less load."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+from collections.abc import Mapping
+
+import msgspec
+import pytest
+from epp.plugins.predicted_ttft_producer import (
+    MAX_POD_FACTOR,
+    PredictedTtftProducer,
+    predicted_ttft_key,
+)
+from epp.plugins.predicted_ttft_scorer import PredictedTtftScorer
+from epp.plugins.predicted_ttft_slo_filter import PredictedTtftSloFilter
+from prometheus_client import CollectorRegistry
+
+from epp.clock import VirtualClock
+from epp.config import InvalidConfig
+from epp.datastore import Datastore, Endpoint, EndpointSpec
+from epp.errors import BadRequest, Shed
+from epp.requests import InferenceRequest, parse_request
+from epp.scheduling import EXPLAIN_NOTES, PRIORITY, CycleState, PluginContext, ResponseInfo
+from tests.plugins.helpers import context, make_endpoints
+from tests.plugins.llmd_helpers import load, one_plugin_config, request, routed, with_match
+
+PROMPT = "x" * 4000  # the match below says: 4,000 tokens in 100 blocks of 40
+DONE = ResponseInfo(completed=True)
+
+
+class Fleet:
+    """The two plugins on a virtual clock, driven as the director drives them."""
+
+    def __init__(self, datastore: Datastore | None = None, **params: object) -> None:
+        self.clock = VirtualClock(100.0)
+        self.metrics = CollectorRegistry()
+        ctx = PluginContext(
+            "predicted-ttft-producer",
+            "predicted-ttft-producer",
+            datastore or Datastore(),
+            self.metrics,
+            {},
+            clock=self.clock,
+        )
+        self.producer = PredictedTtftProducer(
+            msgspec.convert(params, PredictedTtftProducer.Parameters), ctx
+        )
+        self.scorer = PredictedTtftScorer(
+            PredictedTtftScorer.Parameters(),
+            PluginContext(
+                "predicted-ttft-scorer",
+                "predicted-ttft-scorer",
+                Datastore(),
+                CollectorRegistry(),
+                {},
+                clock=self.clock,
+            ),
+        )
+
+    def cycle(self, matched: Mapping[Endpoint, float]) -> tuple[InferenceRequest, CycleState]:
+        req = request(PROMPT)
+        cycle = with_match(CycleState(), matched, total=100, block_size=40)
+        asyncio.run(self.producer.prepare(req, cycle, []))
+        return req, cycle
+
+    def seconds(self, cycle: CycleState, endpoint: Endpoint) -> float:
+        predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+        assert predictions is not None
+        return predictions.predict(endpoint).seconds
+
+    def route(
+        self, endpoint: Endpoint, matched: Mapping[Endpoint, float] | None = None
+    ) -> tuple[InferenceRequest, CycleState]:
+        req, cycle = self.cycle(matched or {})
+        self.producer.pre_request(req, cycle, routed(("default", endpoint)))
+        return req, cycle
+
+
+def _observe(fleet: Fleet, endpoint: Endpoint, elapsed: float, matched: float = 0.0) -> float:
+    """Route one request to `endpoint`, its first token `elapsed` seconds later, then
+    its end; returns what was predicted for it."""
+    req, cycle = fleet.route(endpoint, {endpoint: matched})
+    predicted = fleet.seconds(cycle, endpoint)
+    result = routed(("default", endpoint))
+    fleet.clock.advance(elapsed)
+    fleet.producer.response_first_chunk(req, cycle, result, elapsed)
+    fleet.producer.post_response(req, cycle, result, DONE)
+    return predicted
+
+
+def test_a_pod_holding_the_prefix_is_predicted_faster_than_one_without() -> None:
+    fleet = Fleet()
+    warm, cold = make_endpoints(2)
+    _, cycle = fleet.cycle({warm: 90.0})  # 90 of the 100 blocks
+    assert fleet.seconds(cycle, warm) < fleet.seconds(cycle, cold)
+    scores = fleet.scorer.score(request(PROMPT), cycle, [warm, cold])
+    assert scores[warm] == 1.0
+    assert scores[cold] < 0.9
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = notes["predicted-ttft-scorer"]["ep-0"]
+    assert explained["cachedTokens"] == 3600
+    assert explained["uncachedTokens"] == 400
+    assert explained["predictedTtftMs"] == pytest.approx(fleet.seconds(cycle, warm) * 1e3)
+    assert {"queuedMs", "prefillMs", "attentionMs", "decodingMs", "fixedMs"} <= set(explained)
+
+
+def test_work_sent_to_a_pod_queues_later_requests_until_it_is_done() -> None:
+    fleet = Fleet()
+    (pod,) = make_endpoints(1)
+    _, alone = fleet.cycle({})
+    idle = fleet.seconds(alone, pod)
+    first, first_cycle = fleet.route(pod)
+    _, behind = fleet.cycle({})
+    queued = fleet.seconds(behind, pod) - idle
+    assert queued > 0.05  # the first request's whole prefill of 4,000 tokens
+    # Time drains the queue ...
+    fleet.clock.advance(queued / 2)
+    _, later = fleet.cycle({})
+    assert fleet.seconds(later, pod) - idle == pytest.approx(queued / 2)
+    # ... and the first token says it is over, whatever was predicted.
+    fleet.producer.response_first_chunk(first, first_cycle, routed(("default", pod)), 0.01)
+    _, after = fleet.cycle({})
+    state = fleet.producer.describe_endpoint(pod)["predictedTtft"]
+    assert isinstance(state, dict)
+    assert (state["queuedRequests"], state["queuedMs"], state["decoding"]) == (0, 0.0, 1)
+    assert state["observations"] == 1
+    predictions = after.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert predictions is not None
+    now = predictions.predict(pod)
+    assert now.parts["queued"] == 0.0
+    assert now.parts["decoding"] > 0.0  # one decoding request
+    fleet.producer.post_response(first, first_cycle, routed(("default", pod)), DONE)
+    fleet.producer.post_response(first, first_cycle, routed(("default", pod)), DONE)  # twice
+    assert fleet.producer.describe_endpoint(pod)["predictedTtft"]["decoding"] == 0
+
+
+def test_predictions_learn_the_pods_speed_from_observed_first_tokens() -> None:
+    fleet = Fleet()
+    (pod,) = make_endpoints(1)
+    # The truth: 12 ms + 25 us per uncached token, whatever the prior said.
+    errors = []
+    for i in range(120):
+        matched = float(i % 5) * 20.0
+        elapsed = 0.012 + 25e-6 * (4000 - matched * 40)
+        predicted = _observe(fleet, pod, elapsed, matched)
+        errors.append(abs(predicted - elapsed) / elapsed)
+    assert errors[0] > 0.3  # the prior is far off ...
+    assert statistics.median(errors[-40:]) < 0.05  # ... and learnt away
+    page = fleet.metrics.get_sample_value(
+        "epp_ttft_prediction_error_ratio_count", {"plugin": "predicted-ttft-producer"}
+    )
+    assert page == 120
+    weight = fleet.metrics.get_sample_value(
+        "epp_ttft_model_weight", {"plugin": "predicted-ttft-producer", "feature": "prefill"}
+    )
+    assert weight == pytest.approx(0.025, rel=0.2)  # seconds per 1,000 tokens
+
+
+def test_a_slow_pod_is_learnt_and_avoided() -> None:
+    fleet = Fleet()
+    fast, slow = make_endpoints(2)
+    for _ in range(60):
+        _observe(fleet, fast, 0.1)
+        _observe(fleet, slow, 0.3)
+    assert fleet.producer._pods[slow].factor > 1.5 * fleet.producer._pods[fast].factor
+    assert fleet.producer._pods[slow].factor <= MAX_POD_FACTOR
+    req, cycle = fleet.cycle({})
+    scores = fleet.scorer.score(req, cycle, [fast, slow])
+    assert scores[fast] > scores[slow]
+
+
+def test_near_ties_go_to_less_work_then_to_fewer_tokens_in_flight() -> None:
+    fleet = Fleet()
+    a, b, c = make_endpoints(3)
+    # Nothing cached anywhere, b already busy: a and c tie on work, a is less loaded
+    # in tokens once c has a request in flight that has started (no queue, same TTFT
+    # but for one decoding request, within the tie tolerance).
+    req, cycle = fleet.route(c)
+    fleet.producer.response_first_chunk(req, cycle, routed(("default", c)), 0.05)
+    fleet.route(b)
+    _, fresh = fleet.cycle({})
+    scores = fleet.scorer.score(request(PROMPT), fresh, [a, b, c])
+    assert scores[a] == 1.0
+    assert 0.9 < scores[c] < 1.0
+    assert scores[b] < 0.9  # queued behind a whole prefill: not a tie
+    # Two pods that hold the prompt beat an idle one that does not, and the one
+    # holding it with nothing in flight wins.
+    _, warm = fleet.cycle({b: 100.0, c: 100.0})
+    scores = fleet.scorer.score(request(PROMPT), warm, [a, b, c])
+    assert max(scores, key=lambda e: scores[e]) is c
+
+
+def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:
+    datastore = Datastore()
+    datastore.replace_all([EndpointSpec("a", "10.0.0.1:8000")])
+    fleet = Fleet(datastore)
+    (old,) = datastore.ready_endpoints()
+    req, cycle = fleet.route(old)
+    datastore.replace_all([EndpointSpec("a", "10.0.0.9:8000")])  # same name, new pod
+    (new,) = datastore.ready_endpoints()
+    assert fleet.producer.describe_endpoint(new)["predictedTtft"]["queuedRequests"] == 0
+    # The old request ends into the old pod's ledger, not the new one's.
+    fleet.producer.post_response(req, cycle, routed(("default", old)), DONE)
+    assert fleet.producer.describe_endpoint(new)["predictedTtft"]["queuedRequests"] == 0
+
+
+def test_without_the_producer_every_pod_scores_one_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scorer = Fleet().scorer
+    a, b = make_endpoints(2)
+    with caplog.at_level(logging.WARNING):
+        assert scorer.score(request(), CycleState(), [a, b]) == {a: 1.0, b: 1.0}
+        scorer.score(request(), CycleState(), [a, b])
+    assert sum("no predictions from producer" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"forgetting": 2.0}, "forgetting"),
+        ({"podAdaptRate": -0.5}, "podAdaptRate"),
+        ({"noSuchParameter": 1}, "noSuchParameter"),
+    ],
+)
+def test_bad_parameters_are_refused(parameters: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidConfig, match=message):
+        load(one_plugin_config("predicted-ttft-producer", parameters))
+    with pytest.raises(InvalidConfig, match="tieTolerance"):
+        load(one_plugin_config("predicted-ttft-scorer", {"tieTolerance": -0.1}))
+
+
+def _slo_request(value: str | None, header: str = "x-slo-ttft-ms") -> InferenceRequest:
+    return parse_request(
+        request_id="r",
+        method="POST",
+        path="/v1/completions",
+        headers={} if value is None else {header: value},
+        body=msgspec.json.encode({"model": "m", "prompt": PROMPT}),
+    )
+
+
+def test_the_slo_filter_keeps_the_pods_predicted_to_meet_the_objective() -> None:
+    fleet = Fleet()
+    slo = PredictedTtftSloFilter(
+        PredictedTtftSloFilter.Parameters(), context("predicted-ttft-slo-filter")
+    )
+    warm, cold = make_endpoints(2)
+    _, cycle = fleet.cycle({warm: 100.0})
+    fast, slow = fleet.seconds(cycle, warm), fleet.seconds(cycle, cold)
+    between = f"{(fast + slow) / 2 * 1e3:.3f}"
+    assert slo.filter(_slo_request(None), cycle, [warm, cold]) == [warm, cold]
+    assert slo.filter(_slo_request(between), cycle, [warm, cold]) == [warm]
+    assert slo.filter(_slo_request(between, "x-llm-d-slo-ttft-ms"), cycle, [warm, cold]) == [warm]
+    # Nobody meets 0.001 ms: a request that must be served goes to every pod ...
+    assert slo.filter(_slo_request("0.001"), cycle, [warm, cold]) == [warm, cold]
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    assert notes["predicted-ttft-slo-filter"]["met"] is False
+    # ... a sheddable one is refused, saying why.
+    cycle.put(PRIORITY, -1)
+    with pytest.raises(Shed, match=r"objective of 0.001 ms \(the best is predicted at \d+ ms\)"):
+        slo.filter(_slo_request("0.001"), cycle, [warm, cold])
+    for bad in ("soon", "-5", "0", "nan"):
+        with pytest.raises(BadRequest, match="x-slo-ttft-ms must be a positive number"):
+            slo.filter(_slo_request(bad), cycle, [warm, cold])
