@@ -2,16 +2,23 @@
 token for the request, as `predicted-ttft-producer` (the producer named by
 `predictedTtftProducerName`, default `predicted-ttft-producer`) predicts it.
 
-Pods predicted within `tieTolerance` (0.1: 10%, plus 1 ms) of the best are a tie,
-the predictions' own error being about that large. Ties are ranked by the share
-of the prompt the pod would have to prefill (in tenths: less work for the fleet,
-a prefix kept in one place), then by the uncached tokens this EPP has in flight
-there (llm-d's token load: a prompt no pod holds goes where it adds the least);
-equal ranks score equal, and the picker draws among them. The tied pods score in
+Pods predicted within `tieTolerance` (0.25: 25%, plus 1 ms) of the best are a tie:
+predictions err by about that much, and among near-equal pods what matters is
+what the pick does to the requests that follow. Ties are ranked
+
+1. by the share of the prompt the pod would have to prefill, in tenths: a pod
+   holding the prompt's prefix adds less work to the fleet and keeps the prefix
+   in one place. A pod with more than `balanceFactor` (1.5) times the fleet's
+   mean uncached tokens in flight from this EPP counts as holding nothing: a hot
+   prefix, or a prompt every conversation shares, then spreads to the pods that
+   are less loaded instead of piling onto the pods that hold it;
+2. then by those tokens in flight (llm-d's token load): a prompt no pod holds
+   goes where it adds the least.
+
+Equal ranks score equal, and the picker draws among them. The tied pods score in
 (0.9, 1], the others 0.9 x best / predicted. For a prompt no pod holds half of,
-the tie is `newPrefixTolerance` wide (0.1): where a new prompt group lands, its
-followers go, so balance can be worth more than a few milliseconds now
-(manifests/config/predicted-ttft.yaml sets 1.0).
+the tie is `newPrefixTolerance` (1.0) wide: where a new prompt group lands, its
+followers go, so balance is worth more than a few milliseconds now.
 
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
@@ -50,8 +57,9 @@ def _uncached_tenths(p: TtftPrediction) -> int:
 class PredictedTtftScorer:
     class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
         predicted_ttft_producer_name: str = ""
-        tie_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1
-        new_prefix_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1
+        tie_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 0.25
+        new_prefix_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+        balance_factor: Annotated[float, msgspec.Meta(ge=0.0)] = 1.5
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -59,6 +67,7 @@ class PredictedTtftScorer:
         self.key = predicted_ttft_key(self.producer)
         self.tie_tolerance = params.tie_tolerance
         self.new_prefix_tolerance = params.new_prefix_tolerance
+        self.balance_factor = params.balance_factor
         self._warned = False
 
     def score(
@@ -102,8 +111,13 @@ class PredictedTtftScorer:
         if all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
         near = best * (1.0 + tolerance) + _TIE_FLOOR_S
+        tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
+        crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         keys = {
-            e: (_uncached_tenths(predictions.predict(e)), predictions.tokens_in_flight(e))
+            e: (
+                _uncached_tenths(predictions.predict(e)) if tokens[e] <= crowded else 10,
+                tokens[e],
+            )
             for e in endpoints
             if seconds[e] <= near
         }

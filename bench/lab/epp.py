@@ -60,8 +60,11 @@ class Delays:
     # ... plus, per prompt token the EPP tokenizes for the pick (text its tokenizer
     # has not seen: the precise prefix scorer), 9.3 us measured.
     route_per_token_s: float = 9.3e-6
-    # Through a peer router's model: the algorithm only, no transport.
-    peer_route_s: float = 0.0
+    # Through a peer router's model: the transport of a gateway whose pick costs
+    # nothing (round-robin through Envoy and the EPP: 3.6 ms measured), so that the
+    # peers' algorithms are compared with ours as if they ran in the same gateway.
+    # Their own routers' transport is measured where they really run (`bench run`).
+    peer_route_s: float = 0.0036
     # In the pod before the engine takes the request (HTTP, parsing, chat template,
     # tokenizing), and the way back of the first and last token: 2.7 ms measured
     # straight to a simulated pod, less `response_s`; plus, per prompt token the

@@ -175,25 +175,37 @@ def test_a_slow_pod_is_learnt_and_avoided() -> None:
     assert scores[fast] > scores[slow]
 
 
-def test_near_ties_go_to_less_work_then_to_fewer_tokens_in_flight() -> None:
+def test_a_new_prompt_goes_to_the_pod_with_the_fewest_tokens_in_flight() -> None:
     fleet = Fleet()
     a, b, c = make_endpoints(3)
-    # Nothing cached anywhere, b already busy: a and c tie on work, a is less loaded
-    # in tokens once c has a request in flight that has started (no queue, same TTFT
-    # but for one decoding request, within the tie tolerance).
+    # Nobody holds the prompt: b has a whole prefill queued, c one request decoding.
     req, cycle = fleet.route(c)
     fleet.producer.response_first_chunk(req, cycle, routed(("default", c)), 0.05)
     fleet.route(b)
     _, fresh = fleet.cycle({})
     scores = fleet.scorer.score(request(PROMPT), fresh, [a, b, c])
     assert scores[a] == 1.0
-    assert 0.9 < scores[c] < 1.0
-    assert scores[b] < 0.9  # queued behind a whole prefill: not a tie
-    # Two pods that hold the prompt beat an idle one that does not, and the one
-    # holding it with nothing in flight wins.
-    _, warm = fleet.cycle({b: 100.0, c: 100.0})
-    scores = fleet.scorer.score(request(PROMPT), warm, [a, b, c])
-    assert max(scores, key=lambda e: scores[e]) is c
+    # Within the wide tie of a new prompt (newPrefixTolerance), b and c both have
+    # 4,000 tokens in flight: equal, below the idle pod.
+    assert 0.9 < scores[b] == scores[c] < 1.0
+
+
+def test_near_ties_go_to_the_holder_of_the_prefix_unless_it_is_crowded() -> None:
+    fleet = Fleet()
+    a, b, c = make_endpoints(3)
+    _, cycle = fleet.cycle({a: 100.0, b: 100.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    assert scores[a] == scores[b] == 1.0  # both hold it, both idle: a draw
+    assert scores[c] < 0.9  # a whole prefill more: no tie
+    # a gets two requests that it half holds; they start (no queue), and stay in
+    # flight with 2,000 uncached tokens each: 4,000 on a, 1,333 on average.
+    for _ in range(2):
+        req, started = fleet.route(a, {a: 50.0})
+        fleet.producer.response_first_chunk(req, started, routed(("default", a)), 0.05)
+    _, cycle = fleet.cycle({a: 100.0, b: 100.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    assert scores[b] == 1.0
+    assert scores[a] < scores[b]  # crowded: more than 1.5 x the mean in flight
 
 
 def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:
