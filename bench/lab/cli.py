@@ -73,6 +73,15 @@ def add_parser(commands: Any) -> None:
         " rate / N (same mean rate); not for a trace",
     )
     lab.add_argument("--pods", type=int, default=16, help="simulated pods")
+    lab.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="EPP replicas behind Envoy, each with its own state (in-flight counts,"
+        " approximate index, KV-event subscriptions), requests split between them in"
+        " turn; the peers' models stay one router",
+    )
     lab.add_argument("--seed", type=int, default=0, help="first seed")
     lab.add_argument("--seeds", type=int, default=5, help="seeds: --seed, --seed + 1, ...")
     lab.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory")
@@ -105,6 +114,8 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         problems.append("--pods must be at least 1")
     if args.seeds < 1:
         problems.append("--seeds must be at least 1")
+    if args.epp_replicas < 1:
+        problems.append("--epp-replicas must be at least 1")
     if args.burst < 1:
         problems.append("--burst must be at least 1")
     elif args.burst > 1 and args.workload == "trace":
@@ -138,7 +149,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     options = LabOptions(
         workload=spec,
         policies=tuple(args.policies or DEFAULT_POLICIES),
-        fleet=FleetSpec(args.pods, engine=engine, delays=delays),
+        fleet=FleetSpec(args.pods, engine=engine, delays=delays, epp_replicas=args.epp_replicas),
         seeds=tuple(range(args.seed, args.seed + args.seeds)),
         load=load,
         rate=args.rate,

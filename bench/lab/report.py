@@ -54,6 +54,8 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
         f"{setup['capacity_rps']:.2f} req/s, offered {setup['rate_rps']:.2f} req/s"
         f" (load {setup['load']:.2f})",
         f"- delays (virtual s): {', '.join(f'{k} {v:g}' for k, v in setup['delays'].items())}",
+        f"- EPP replicas behind Envoy: {setup.get('epp_replicas', 1)} (each with its own"
+        " state; the peers' models are one router)",
         f"- engine: blocks of {setup['engine']['block_size']} tokens,"
         f" {setup['engine']['num_gpu_blocks']} blocks per pod,"
         f" max_num_seqs {setup['engine']['max_num_seqs']},"

@@ -104,44 +104,59 @@ class Router(Protocol):
 
 
 class EppRouter:
-    """The EPP's real scheduling code as a lab router."""
+    """The EPP's real scheduling code as a lab router: one EPP, or several replicas
+    behind one Envoy, each with its own state (in-flight counts, approximate index,
+    its own subscription to every pod's KV events), requests split between them in
+    turn as Envoy's round-robin splits ext_proc streams."""
 
-    def __init__(self, epp: LabEpp) -> None:
-        self.epp = epp
-        self.route_delay_s = epp.delays.route_s
+    def __init__(self, replicas: Sequence[LabEpp]) -> None:
+        if not replicas:
+            raise ValueError("an EPP router needs at least one replica")
+        self.replicas = list(replicas)
+        self.route_delay_s = replicas[0].delays.route_s
+        self._next = 0
 
     @property
     def wants_events(self) -> bool:
-        return self.epp.wants_events
+        return self.replicas[0].wants_events
 
     def on_events(self, pod: LabPod, events: Sequence[KVEvent]) -> None:
-        self.epp.on_events(pod, events)
+        for epp in self.replicas:
+            epp.on_events(pod, events)
 
     def route(
         self, request_id: str, body: bytes, prompt: Sequence[int]
     ) -> tuple[LabPod, Any] | None:
-        decision = self.epp.pick(request_id, PATH, body)
-        delays = self.epp.delays
-        self.route_delay_s = (
-            delays.route_s + delays.route_per_token_s * self.epp.last_tokens_encoded
-        )
+        epp = self.replicas[self._next]
+        self._next = (self._next + 1) % len(self.replicas)
+        decision = epp.pick(request_id, PATH, body)
+        delays = epp.delays
+        self.route_delay_s = delays.route_s + delays.route_per_token_s * epp.last_tokens_encoded
         if decision is None:
             return None
-        return self.epp.pod_of(decision), decision
+        return epp.pod_of(decision), (epp, decision)
 
     def first_token(self, handle: Any) -> None:
         # Envoy's full config streams response bodies to the EPP: it sees the first
         # chunk as the client does.
-        self.epp.first_chunk(handle)
+        epp, decision = handle
+        epp.first_chunk(decision)
 
     def end(self, handle: Any, usage: Usage | None, completed: bool) -> None:
-        self.epp.finish(handle, usage, completed)
+        epp, decision = handle
+        epp.finish(decision, usage, completed)
 
     def close(self) -> None:
-        self.epp.close()
+        for epp in self.replicas:
+            epp.close()
 
     def describe(self) -> dict[str, Any]:
-        return self.epp.describe()
+        parts = [epp.describe() for epp in self.replicas]
+        refusals: dict[str, int] = {}
+        for part in parts:
+            for key, count in part["refusals"].items():
+                refusals[key] = refusals.get(key, 0) + count
+        return {"picks": sum(p["picks"] for p in parts), "refusals": refusals}
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,11 @@ class FleetSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     latency: LatencyModel = field(default_factory=LatencyModel)
     delays: Delays = field(default_factory=Delays)
+    epp_replicas: int = 1  # EPP replicas behind Envoy (configs only; peers are one router)
+
+    def __post_init__(self) -> None:
+        if self.pods < 1 or self.epp_replicas < 1:
+            raise ValueError("a fleet needs at least one pod and one EPP replica")
 
 
 class _Request:
@@ -402,7 +422,14 @@ class LabPolicy:
         source = str(self.config)
 
         def make(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
-            return EppRouter(LabEpp(text, source, pods, loop, fleet.delays, seed, registry))
+            # Replica r draws from its own seed; replica 0 from the run's, so one
+            # replica is exactly the single EPP.
+            return EppRouter(
+                [
+                    LabEpp(text, source, pods, loop, fleet.delays, seed + 7919 * r, registry)
+                    for r in range(fleet.epp_replicas)
+                ]
+            )
 
         return make
 
@@ -541,6 +568,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
             "engine": asdict(fleet.engine),
             "latency_model": asdict(fleet.latency),
             "delays": fleet.delays.to_json(),
+            "epp_replicas": fleet.epp_replicas,
             "tokenizer": str(options.tokenizer) if options.tokenizer else "builtin",
         },
         "workload": first.describe(),

@@ -103,6 +103,7 @@ def test_the_command_line_runs_and_rejects_bad_input(
         (["--workload", "trace"], "the trace workload needs --trace FILE"),
         (["--route-delay", "-1"], "delay route_s must be a finite number >= 0"),
         (["--burst", "0"], "--burst must be at least 1"),
+        (["--epp-replicas", "0"], "--epp-replicas must be at least 1"),
         (["--workload", "trace", "--trace", str(out), "--burst", "4"], "--burst shapes Poisson"),
     ]:
         bad_out = tmp_path / "bad"
@@ -142,3 +143,18 @@ def test_bursts_of_arrivals_queue_requests_at_the_same_mean_rate(
         bursty["policies"]["round-robin"]["ttft_p90_s"]
         > plain["policies"]["round-robin"]["ttft_p90_s"]
     )
+
+
+def test_epp_replicas_each_keep_their_own_state(tmp_path: Path, qwen_words: Words) -> None:
+    one = run_lab(options(tmp_path / "one", ("default", "precise-prefix"), seeds=(0,)))
+    spec = replace(options(tmp_path / "four", ("default", "precise-prefix"), seeds=(0,)))
+    four = run_lab(replace(spec, fleet=FleetSpec(4, epp_replicas=4)))
+    assert four["setup"]["epp_replicas"] == 4
+    assert "EPP replicas behind Envoy: 4" in (tmp_path / "four" / "report.md").read_text()
+    for name in ("default", "precise-prefix"):
+        (run,) = four["policies"][name]["runs"]
+        assert run["router"]["picks"] == 32  # every request picked once, by one replica
+    # Four approximate indexes each learn a quarter of the picks: the default finds
+    # less than one EPP does. The precise indexes all follow every pod's KV events.
+    assert four["policies"]["default"]["hit_rate"] < one["policies"]["default"]["hit_rate"]
+    assert four["policies"]["precise-prefix"]["hit_rate"] > four["policies"]["default"]["hit_rate"]
