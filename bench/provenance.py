@@ -42,10 +42,11 @@ def _cpu_model() -> str | None:
 
 
 def provenance(command: str) -> dict[str, Any]:
-    """`command`, the git commit (and whether tracked files differed from it), the
-    time in UTC, and the machine: CPUs, CPU model, Python, the 1-minute load
-    average when the run ended (above the CPU count, something else competed)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    """`command`, the git commit (and whether tracked files other than committed
+    results differed from it: a run that rewrites docs/results/ measured the same
+    code), the time in UTC, and the machine: CPUs, CPU model, Python, the 1-minute
+    load average when the run ended (above the CPU count, something else competed)."""
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results")
     return {
         "command": command,
         "commit": _git("rev-parse", "HEAD"),
