@@ -74,10 +74,12 @@ class Delays:
     pod_overhead_per_token_s: float = 9.2e-6
     # Engine first token / last token -> the client (and the EPP's end of stream).
     response_s: float = 0.0005
-    # A step's KV events: published after the step, applied to the index.
+    # A step's KV events: published after the step, applied to the index
+    # (measured: median 0.73 ms, mean 1.14 ms, `bench.lab.calibrate --parts staleness`).
     kv_event_s: float = 0.001
     # The metrics scrape period (GIE's --refresh-metrics-interval default) and
-    # how long a scrape's answer takes to reach the datastore.
+    # how long a scrape's answer takes to reach the datastore (measured: median
+    # 2.3 ms, mean 2.6 ms, same run).
     metrics_interval_s: float = 0.05
     metrics_latency_s: float = 0.002
 
