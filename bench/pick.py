@@ -1,6 +1,7 @@
 """`python -m bench.pick`: what precise prefix routing costs, in-process.
 
-Four measurements (docs/performance.md, "Precise prefix routing"):
+Five measurements (docs/performance.md, "Precise prefix routing"; (c) in
+docs/routing.md):
 
 - pick latency, (a): a chat request whose 2,000-token system prompt was seen before
   (two of the pods hold it) plus a new 200-token user message;
@@ -8,7 +9,9 @@ Four measurements (docs/performance.md, "Precise prefix routing"):
   tokenizing such a prompt takes by itself;
 - KV-event ingestion: vLLM-format payloads (16-block BlockStored events with their
   tokens, and removals) decoded and applied, in blocks per second on one core;
-- index memory per (block, pod) entry at 1,000,000 entries (tracemalloc).
+- index memory per (block, pod) entry at 1,000,000 entries (tracemalloc);
+- (c) the picks of shipped configs side by side (`--configs`, default
+  `default,predicted-ttft`), every hook of a routed request included.
 
 The pick is the director's `pick_endpoint` with the `precise-prefix-cache-scorer`
 (speculative indexing on) and `max-score-picker`, over 16 endpoints whose index is
@@ -432,6 +435,50 @@ async def measure_ingestion(batches: int) -> dict[str, Any]:
     return out
 
 
+async def measure_configs(names: list[str], pods: int, iterations: int) -> dict[str, Any]:
+    """(c) The pick of shipped configs (manifests/config/NAME.yaml) side by side, with
+    every hook a routed request runs (pre-request, first chunk, end): chat requests
+    with one of 16 system prompts of 2,000 words and a new 200-word message, over
+    `pods` endpoints. The configs take turns request by request, so a busy host slows
+    them alike; the first 16 x 4 requests of each warm its prefix index."""
+    rng = random.Random(3)
+    systems = [" ".join(rng.choice(WORDS) for _ in range(2000)) for _ in range(16)]
+    directors = {}
+    for name in names:
+        datastore = Datastore()
+        datastore.replace_all(EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000") for i in range(pods))
+        text = (ROOT / "manifests" / "config" / f"{name}.yaml").read_text()
+        config = load_config(text, PluginRegistry.from_entry_points(), datastore=datastore)
+        directors[name] = Director(datastore, config, Telemetry(datastore))
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    warmup = 64
+    for i in range(iterations + warmup):
+        body = msgspec.json.encode(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": systems[i % 16]},
+                    {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(200))},
+                ],
+            }
+        )
+        order = names if i % 2 == 0 else list(reversed(names))
+        for name in order:
+            director = directors[name]
+            request = parse_request(
+                request_id=str(i), method="POST", path="/v1/chat/completions", headers={}, body=body
+            )
+            gc.collect(0)
+            started = time.perf_counter()
+            decision = await director.pick_endpoint(request)
+            elapsed = time.perf_counter() - started
+            director.first_chunk(decision)
+            director.finish(decision, ResponseInfo(completed=True))
+            if i >= warmup:
+                samples[name].append(elapsed)
+    return {name: _percentiles(values) for name, values in samples.items()}
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -496,6 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--ingest-batches", type=int, default=20_000)
     parser.add_argument("--memory-entries", type=int, default=1_000_000)
+    parser.add_argument(
+        "--configs",
+        default="default,predicted-ttft",
+        help="shipped configs whose picks (c) compares, comma-separated ('' to skip)",
+    )
+    parser.add_argument(
+        "--only-configs", action="store_true", help="measure (c) alone, not the precise parts"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -508,9 +563,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = "python -m bench.pick " + shlex.join(sys.argv[1:] if argv is None else argv)
     results: dict[str, Any] = {"pods": args.pods}
-    results["pick"] = asyncio.run(measure_pick(args.pods, args.iterations, args.warmup))
-    results["ingestion"] = asyncio.run(measure_ingestion(args.ingest_batches))
-    results["memory"] = measure_memory(args.memory_entries)
+    configs = [c for c in args.configs.split(",") if c]
+    missing = [c for c in configs if not (ROOT / "manifests" / "config" / f"{c}.yaml").is_file()]
+    if missing:
+        print(f"no such config in manifests/config/: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if not args.only_configs:
+        results["pick"] = asyncio.run(measure_pick(args.pods, args.iterations, args.warmup))
+        results["ingestion"] = asyncio.run(measure_ingestion(args.ingest_batches))
+        results["memory"] = measure_memory(args.memory_entries)
+    if configs:
+        results["configs"] = asyncio.run(measure_configs(configs, args.pods, args.iterations))
     results.update(provenance(command))
     text = json.dumps(results, indent=2)
     print(text)
