@@ -79,6 +79,7 @@ class ServeOptions:
     debug_endpoints: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_prompts: bool = False
+    score_header: bool = False
     shutdown_grace_s: float = defaults.SHUTDOWN_GRACE.seconds
     # Lean mode: how long a routed request may wait for its access-log entry.
     lean_completion_timeout_s: float = DEFAULT_TIMEOUT_S
@@ -295,7 +296,11 @@ class EppApp:
         self.grpc_server = grpc.aio.server(options=grpc_options)
         self.processor = ExternalProcessor(
             self.director,
-            StreamSettings(max_body_bytes=o.max_body_bytes, log_prompts=o.log_prompts),
+            StreamSettings(
+                max_body_bytes=o.max_body_bytes,
+                log_prompts=o.log_prompts,
+                score_header=o.score_header,
+            ),
             self.telemetry,
             self.tracker,
             max_streams=o.max_concurrent_streams,

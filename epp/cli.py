@@ -355,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="include prompts in per-request log lines (off: prompts never reach the logs)",
     )
+    obs.add_argument(
+        "--score-header",
+        action="store_true",
+        help="debugging: add x-epp-scores to every response, each candidate's total score"
+        " (the picked one marked *); needs Envoy to send response headers to the EPP",
+    )
 
     validate = commands.add_parser(
         "validate",
@@ -424,6 +430,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         debug_endpoints=args.debug_endpoints,
         max_body_bytes=args.max_body_bytes,
         log_prompts=args.log_prompts,
+        score_header=args.score_header,
         lean_completion_timeout_s=args.lean_completion_timeout,
         refresh_metrics_interval_s=args.refresh_metrics_interval,
         metrics_staleness_threshold_s=args.metrics_staleness_threshold,

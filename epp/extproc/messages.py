@@ -157,6 +157,19 @@ def immediate_response(error: EppError) -> pb.ProcessingResponse:
 CONTINUE_REQUEST_HEADERS: Final = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 CONTINUE_REQUEST_BODY: Final = pb.ProcessingResponse(request_body=pb.BodyResponse())
 CONTINUE_RESPONSE_HEADERS: Final = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+
+def response_headers_set(set_headers: Sequence[tuple[str, str]]) -> pb.ProcessingResponse:
+    """The response-headers reply adding headers to what the client gets."""
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(set_headers=[_set(k, v) for k, v in set_headers])
+            )
+        )
+    )
+
+
 CONTINUE_RESPONSE_BODY: Final = pb.ProcessingResponse(response_body=pb.BodyResponse())
 CONTINUE_REQUEST_TRAILERS: Final = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 CONTINUE_RESPONSE_TRAILERS: Final = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())

@@ -44,6 +44,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Final
 
 from epp._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from epp.completion import CompletionTracker
@@ -75,6 +76,14 @@ class Phase(enum.Enum):
 class StreamSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_prompts: bool = False
+    # Debugging: add `x-epp-scores` to responses (each candidate's total in the
+    # primary profile, best first); needs Envoy to send response headers (not lean).
+    score_header: bool = False
+
+
+SCORES_HEADER: Final = "x-epp-scores"
+# At most this many candidates in the header (a fleet of hundreds would not fit).
+SCORES_HEADER_MAX: Final = 16
 
 
 Replies = list[pb.ProcessingResponse]
@@ -348,10 +357,13 @@ class RequestStream:
             self.status = None
         content_type = values.get("content-type", "").lower()
         self.usage = UsageReader(event_stream="text/event-stream" in content_type)
+        decision = self.decision
         if headers.end_of_stream:
             self._finish(completed=True)
         else:
             self.phase = Phase.RESPONSE_BODY
+        if self.settings.score_header and decision is not None:
+            return [m.response_headers_set([(SCORES_HEADER, _scores(decision))])]
         return [m.CONTINUE_RESPONSE_HEADERS]
 
     def _response_body(self, body: pb.HttpBody) -> Replies:
@@ -414,3 +426,14 @@ class RequestStream:
     def _protocol_error(self, what: str) -> None:
         self.telemetry.stream_errors.labels("protocol").inc()
         log.warning("ext_proc protocol violation by the proxy: %s", what)
+
+
+def _scores(decision: Decision) -> str:
+    """`name=total` of the primary profile's candidates, best first, the picked one
+    marked with `*`: what `/debug/explain` would have said, for this request."""
+    result = decision.result.profiles[decision.result.primary_profile]
+    picked = decision.endpoint
+    best = sorted(result.scored, key=lambda s: s.score, reverse=True)[:SCORES_HEADER_MAX]
+    return ",".join(
+        f"{s.endpoint.name}{'*' if s.endpoint is picked else ''}={s.score:.4f}" for s in best
+    )

@@ -519,3 +519,25 @@ async def test_one_thousand_concurrent_streams(epp: Epp) -> None:
     }
     assert await epp.wait_in_flight(0) == 0
     assert await epp.metric("epp_requests_total", {"outcome": "routed"}) == n
+
+
+async def test_the_score_header_shows_each_candidates_total(start_epp: StartEpp) -> None:
+    plain = await start_epp()
+    stream = plain.stream()
+    await ec.route(stream, completion_body(prompt="x"))
+    await stream.send(ec.response_headers(200))
+    reply = await stream.expect()
+    assert "x-epp-scores" not in reply.set_headers  # off by default
+
+    epp = await start_epp(score_header=True)
+    stream = epp.stream()
+    routed = await ec.route(stream, completion_body(prompt="x"))
+    picked = routed.headers_reply.destination
+    await stream.send(ec.response_headers(200))
+    reply = await stream.expect()
+    entries = reply.set_headers["x-epp-scores"].split(",")
+    assert len(entries) == len(epp.endpoints)
+    scores = [float(e.split("=")[1]) for e in entries]
+    assert scores == sorted(scores, reverse=True)
+    (marked,) = [e.split("=")[0] for e in entries if "*=" in e]
+    assert epp.endpoints[marked.rstrip("*")] == picked
