@@ -42,6 +42,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -418,7 +419,18 @@ def trace(
 def trace_block_words(words: Words, seed: int, hash_id: int) -> list[str]:
     """The words of a trace's 512-token block: drawn from (seed, hash id), so that
     equal ids give equal text in every replay (`bench run` and the lab alike)."""
-    return random.Random(f"trace:{seed}:{hash_id}").choices(words.words, k=TRACE_BLOCK_TOKENS)
+    vocabulary = words.words
+    return [vocabulary[i] for i in trace_block_indices(words, seed, hash_id)]
+
+
+def trace_block_indices(words: Words, seed: int, hash_id: int) -> list[int]:
+    """Where in `words.words` the words of `trace_block_words` are: `random.choices(
+    words.words, k=TRACE_BLOCK_TOKENS)` of a generator seeded with (seed, hash id),
+    drawn as `choices` draws (floor(random() x n), one call each; a test holds the
+    two equal), so the lab can look the words' token ids up by index."""
+    draw = random.Random(f"trace:{seed}:{hash_id}").random
+    n = float(len(words.words))
+    return [math.floor(draw() * n) for _ in itertools.repeat(None, TRACE_BLOCK_TOKENS)]
 
 
 def trace_params(

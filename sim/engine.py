@@ -24,6 +24,20 @@ Each step, like vLLM v1's scheduler:
 Blocks are cached when the tokens filling them are scheduled (`KVCacheManager`), so
 a request admitted later in the same step already hits them.
 
+Quiet decoding: a request whose consumer only times its first token and its end
+(`quiet=True`: the routing lab's client) is not touched in the decode steps where
+nothing but its token count changes: no block to cache, no block to take, not its
+last token. Its fields stand still from the step it went quiet (`quiet_since`) to
+the step it must be scheduled one by one again (`quiet_until`, known in advance:
+where its last block is full, where it needs a new block, where it ends) and are
+brought up to date then, or earlier when something else needs them (preemption,
+abort, a step whose token budget does not cover everyone). Those steps are priced
+from running totals of the quiet requests' contexts. Every step, event, block and
+time comes out exactly as if each request were scheduled one by one: a quiet step
+of a request is one in which the scheduler's decode path would have appended it
+to the batch and done nothing else, and the step's price depends only on the
+batch's totals.
+
 Two layers: `EngineCore` is the scheduler loop's state and its steps, synchronous
 and driven from outside (`begin_step` schedules one step and says how long it
 takes, `finish_step` applies it at the time it ends); it reads time from the
@@ -38,8 +52,10 @@ is in simulated seconds, i.e. measured wall time divided by the time scale.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import enum
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -136,6 +152,17 @@ class EngineRequest:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # True: `outputs` gets the first token and the end only, for a consumer that times
+    # just those; the core may then skip the request in the decode steps between
+    # (quiet decoding, in the module docstring).
+    quiet: bool = False
+    # Admission order: the running queue is always sorted by it.
+    order: int = 0
+    # While the request decodes quietly: the step its fields are up to date for (the
+    # core's count of finished steps then), else -1; and the step at which it must be
+    # scheduled one by one again.
+    quiet_since: int = -1
+    quiet_until: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -146,7 +173,11 @@ class EventSink(Protocol):
     async def publish(self, events: Sequence[KVEvent]) -> int: ...
 
 
-@dataclass(frozen=True)
+# Scheduled and Step are made once per request and step: slotted and not frozen,
+# which makes them about 4x cheaper to build. Nothing changes them once built.
+
+
+@dataclass(slots=True)
 class Scheduled:
     """One request's share of a step: `new_tokens` computed after `context_tokens`."""
 
@@ -155,7 +186,7 @@ class Scheduled:
     context_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Step:
     """A scheduled step: what runs in it, whether scheduling preempted, how long it takes
     (simulated seconds; 0 when nothing was scheduled)."""
@@ -163,6 +194,17 @@ class Step:
     scheduled: tuple[Scheduled, ...]
     preempted: bool
     duration: float
+    # Quiet requests that also compute one decode token each in this step, not listed
+    # in `scheduled` (quiet decoding, in the module docstring).
+    quiet: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled and not self.quiet
+
+
+def _order(request: EngineRequest) -> int:
+    return request.order
 
 
 class EngineCore:
@@ -191,6 +233,21 @@ class EngineCore:
         self.stats = EngineStats()
         self.restarts = 0
         self._request_counter = 0
+        self._admissions = 0
+        self._budget = config.max_num_batched_tokens
+        # Quiet decoding (module docstring). Steps finished: the quiet requests' clock.
+        self._steps = 0
+        # The running requests scheduled one by one, in running order (the others are
+        # in `_quiet`).
+        self._loud: list[EngineRequest] = []
+        self._quiet: dict[EngineRequest, None] = {}
+        # Sum over quiet requests of num_computed_tokens - quiet_since: their contexts
+        # in step s add up to this + s x their number.
+        self._quiet_context = 0
+        # (quiet_until, tie-breaker, request): when each quiet request must be woken.
+        # Entries of requests woken earlier are skipped when they come up.
+        self._due: list[tuple[int, int, EngineRequest]] = []
+        self._due_counter = 0
 
     def _new_kv_cache(self) -> KVCacheManager:
         pool = BlockPool(self.config.num_gpu_blocks, self.config.block_size)
@@ -209,6 +266,10 @@ class EngineCore:
             )
         self.waiting.clear()
         self.running.clear()
+        self._loud.clear()
+        self._quiet.clear()
+        self._quiet_context = 0
+        self._due.clear()
         self.kv = self._new_kv_cache()
         self.stats = EngineStats()
         self.restarts += 1
@@ -217,23 +278,47 @@ class EngineCore:
 
     def begin_step(self) -> Step:
         """Schedule the next step (see the module docstring) and price it."""
-        scheduled, preempted = self._schedule()
-        if not scheduled:
+        quiet = len(self._quiet)
+        due = self._due
+        if (
+            quiet
+            and not self._loud
+            and not self.waiting
+            and quiet <= self._budget
+            and (not due or due[0][0] > self._steps)
+        ):
+            # Only quiet requests, none due, all within the budget (the most common
+            # step of a lightly loaded engine): what `_schedule` would find.
+            scheduled: list[Scheduled] = []
+            preempted = False
+        else:
+            scheduled, preempted = self._schedule()
+            quiet = len(self._quiet)
+        if not scheduled and not quiet:
             return Step((), preempted, 0.0)
-        new_tokens = 0
-        pairs = 0.0
-        touched = 0
+        # The step's totals, as integers: a quiet request decoding after c tokens is
+        # 1 new token, c + 1 attention pairs and c + 1 tokens touched. (Summed as
+        # floats one request at a time, the pairs would come out the same: every
+        # partial sum is an integer far below 2**53.)
+        context = self._quiet_context + quiet * self._steps
+        new_tokens = quiet
+        pairs = touched = context + quiet
         for item in scheduled:
             n, c = item.new_tokens, item.context_tokens
             new_tokens += n
-            pairs += n * c + n * (n + 1) / 2
+            pairs += n * c + n * (n + 1) // 2
             touched += c + n
-        duration = self.latency.time_of(new_tokens, pairs, touched)
-        return Step(tuple(scheduled), preempted, duration)
+        duration = self.latency.time_of(new_tokens, float(pairs), touched)
+        return Step(tuple(scheduled), preempted, duration, quiet)
 
     def finish_step(self, step: Step) -> None:
         """Apply a step once its time has passed: tokens sampled, requests finished."""
-        self._update(step.scheduled)
+        # The quiet requests' tokens: counted now, appended when they are woken. (Only
+        # an abort changes who is quiet during a step, and it takes its request out.)
+        self.stats.generation_tokens += len(self._quiet)
+        if step.scheduled:
+            self._update(step.scheduled)
+        self._steps += 1
         self.stats.steps += 1
 
     def take_events(self) -> list[KVEvent]:
@@ -259,9 +344,11 @@ class EngineCore:
         choice_index: int = 0,
         stream: bool = True,
         sequence: TokenSequence | None = None,
+        quiet: bool = False,
     ) -> EngineRequest:
         """Queue a request. `sequence`: the prompt's `kv.new_sequence`, if the caller
-        already made it (its block hashes are not computed again)."""
+        already made it (its block hashes are not computed again). `quiet`: only the
+        first token and the end are put to `outputs` (`EngineRequest.quiet`)."""
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
@@ -277,6 +364,7 @@ class EngineCore:
             stream=stream,
             prompt_len=len(prompt_token_ids),
             arrival_time=self.now(),
+            quiet=quiet,
         )
         self.waiting.append(request)
         self.stats.requests_received += 1
@@ -290,6 +378,11 @@ class EngineCore:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
         elif request.state is RequestState.RUNNING:
+            if request.quiet_since >= 0:
+                self._catch_up(request)
+            else:
+                with contextlib.suppress(ValueError):
+                    self._loud.remove(request)
             with contextlib.suppress(ValueError):
                 self.running.remove(request)
         else:
@@ -304,15 +397,43 @@ class EngineCore:
         """Called when a request arrives or leaves; the asyncio runner wakes up."""
 
     def _schedule(self) -> tuple[list[Scheduled], bool]:
-        budget = self.config.max_num_batched_tokens
-        block_size = self.config.block_size
+        config = self.config
+        budget = config.max_num_batched_tokens
+        block_size = config.block_size
         scheduled: list[Scheduled] = []
         preempted = False
         kv = self.kv
+        running = self.running
+        loud = self._loud
 
+        quiet = len(self._quiet)
+        if quiet:
+            due = self._due
+            steps = self._steps
+            while due and due[0][0] <= steps:
+                until, _, request = heapq.heappop(due)
+                if request.quiet_since >= 0 and request.quiet_until == until:
+                    self._catch_up(request)
+                    bisect.insort(loud, request, key=_order)
+            quiet = len(self._quiet)
+        if quiet and not self._budget_covers_quiet(budget):
+            # Some quiet request would not get its token this step: schedule every
+            # running request one by one.
+            for request in list(self._quiet):
+                self._catch_up(request)
+            loud[:] = running
+            quiet = 0
+        # The quiet requests' tokens are taken off the budget up front. Exact: the loud
+        # requests before the last quiet one get all their tokens either way
+        # (`_budget_covers_quiet`), and those after it see the same budget left.
+        budget -= quiet
+
+        # Running requests first, in running order: the loud ones here, the quiet ones
+        # (each 1 token within its last block, nothing to cache) implicitly. Preemption
+        # victims come from the tail of the running queue, as in vLLM.
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(loud) and budget > 0:
+            request = loud[index]
             seq = request.seq
             computed = request.num_computed_tokens
             left = len(seq.token_ids) - computed
@@ -328,7 +449,12 @@ class EngineCore:
                 continue
             fits = True
             while not kv.allocate_slots(request.seq, request.num_computed_tokens, new_tokens):
-                victim = self.running.pop()
+                victim = running.pop()
+                if victim.quiet_since >= 0:
+                    self._catch_up(victim)
+                    budget += 1  # its token, taken off up front, is not computed
+                else:
+                    loud.pop()  # the last running request, so the last loud one
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -340,22 +466,20 @@ class EngineCore:
             budget -= new_tokens
             index += 1
 
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while not preempted and self.waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = self.waiting[0]
             hits = kv.find_prefix_hit(request.seq)
-            computed = len(hits) * self.config.block_size
+            computed = len(hits) * block_size
             new_tokens = min(request.num_tokens - computed, budget)
             if not kv.allocate_slots(request.seq, computed, new_tokens, hits):
                 break  # head-of-line: wait for blocks to be freed
             self.waiting.popleft()
             request.state = RequestState.RUNNING
             request.num_computed_tokens = computed
-            self.running.append(request)
+            request.order = self._admissions
+            self._admissions += 1
+            running.append(request)
+            loud.append(request)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = computed
                 self.stats.prefix_cache_queries += request.num_tokens
@@ -363,6 +487,24 @@ class EngineCore:
             scheduled.append(Scheduled(request, new_tokens, computed))
             budget -= new_tokens
         return scheduled, preempted
+
+    def _budget_covers_quiet(self, budget: int) -> bool:
+        """Whether every quiet request gets its token this step: the tokens of the
+        running requests up to the last quiet one (in running order) fit the budget."""
+        quiet = self._quiet
+        demand = len(quiet)
+        loud = self._loud
+        for request in loud:
+            demand += len(request.seq.token_ids) - request.num_computed_tokens
+        if demand <= budget:
+            return True
+        last = max(request.order for request in quiet)
+        demand = len(quiet)
+        for request in loud:
+            if request.order > last:
+                break
+            demand += len(request.seq.token_ids) - request.num_computed_tokens
+        return demand <= budget
 
     def _preempt(self, request: EngineRequest) -> None:
         self.kv.free(request.seq)
@@ -373,7 +515,7 @@ class EngineCore:
         self.stats.preemptions += 1
 
     def _update(self, scheduled: Sequence[Scheduled]) -> None:
-        # The hot loop of a simulation (once per running request and step): locals,
+        # The hot loop of a simulation (once per scheduled request and step): locals,
         # and a generated token hashed only when it completes a block.
         now = self.now()
         answer = self._answer
@@ -397,11 +539,11 @@ class EngineCore:
             if len(tokens) % block_size == 0:
                 hasher.extend(seq.block_hashes, tokens, seq.cache_salt)
             stats.generation_tokens += 1
-            if request.first_token_time is None:
+            first = request.first_token_time is None
+            if first:
                 request.first_token_time = now
                 stats.ttft.observe(now - request.arrival_time)
-            done = len(generated) >= request.max_tokens
-            if done:
+            if len(generated) >= request.max_tokens:
                 request.outputs.put_nowait(
                     TokenOutput(
                         request.choice_index,
@@ -410,11 +552,68 @@ class EngineCore:
                     )
                 )
                 self._finish(request, request.finish_reason, now)
+                continue
+            if request.quiet:
+                if first and request.stream:
+                    request.outputs.put_nowait(TokenOutput(request.choice_index, (token,)))
+                self._quiet_down(request)
             elif request.stream:
                 request.outputs.put_nowait(TokenOutput(request.choice_index, (token,)))
 
+    # -- quiet decoding (module docstring) ------------------------------------------
+
+    def _quiet_down(self, request: EngineRequest) -> None:
+        """Let a quiet request that just sampled a token skip the coming steps that
+        would only append its next tokens, if there are any."""
+        seq = request.seq
+        computed = request.num_computed_tokens
+        block_size = self.config.block_size
+        # Its i-th coming step (i = 0, 1, ...) computes the token at position
+        # computed + i. That step is quiet while the position lies in a block the
+        # request holds, the token does not fill a block past the num_cached_blocks
+        # cached already (which would be cached then), and it is not the last token.
+        quiet_steps = min(
+            len(seq.blocks) * block_size - computed,
+            (seq.num_cached_blocks + 1) * block_size - 1 - computed,
+            request.max_tokens - len(request.output_token_ids) - 1,
+        )
+        if quiet_steps < 1:
+            return
+        since = self._steps + 1  # the step being finished is applied to its fields
+        self._loud.remove(request)
+        self._quiet[request] = None
+        self._quiet_context += computed - since
+        request.quiet_since = since
+        request.quiet_until = since + quiet_steps
+        self._due_counter += 1
+        heapq.heappush(self._due, (request.quiet_until, self._due_counter, request))
+
+    def _catch_up(self, request: EngineRequest) -> None:
+        """A quiet request's fields as of now (`_steps` steps finished), and it is no
+        longer quiet. (It stays in the running queue; the caller puts it in `_loud`
+        or takes it out.)"""
+        since = request.quiet_since
+        del self._quiet[request]
+        self._quiet_context -= request.num_computed_tokens - since
+        request.quiet_since = -1
+        skipped = self._steps - since
+        if skipped <= 0:
+            return
+        answer = self._answer
+        generated = request.output_token_ids
+        start = len(generated) % len(answer)
+        tokens = answer[start : start + skipped]
+        if len(tokens) < skipped:  # round the end of the answer
+            tokens = [answer[(start + i) % len(answer)] for i in range(skipped)]
+        generated += tokens
+        seq = request.seq
+        seq.token_ids += tokens
+        request.num_computed_tokens += skipped
+        self.kv.hasher.extend(seq.block_hashes, seq.token_ids, seq.cache_salt)
+
     def _finish(self, request: EngineRequest, reason: str, now: float) -> None:
         self.running.remove(request)
+        self._loud.remove(request)
         self.kv.free(request.seq)
         request.state = RequestState.FINISHED
         self.stats.finished[reason] += 1
@@ -481,7 +680,7 @@ class Engine(EngineCore):
                 continue
             generation = self._generation
             step = self.begin_step()
-            if not step.scheduled:
+            if step.empty:
                 await self._publish(self.take_events())
                 if not step.preempted:
                     await self._idle()

@@ -56,11 +56,16 @@ ExtraKeys = tuple[object, ...] | None
 HASH_MEMO_ENTRIES = 32_768
 
 
+# Bound once: hashing is the simulator's hottest call after the scheduler's.
+_sha256 = hashlib.sha256
+_pickle_dumps = pickle.dumps
+
+
 def _sha256_pickle(obj: object) -> bytes:
     # Protocol 5 is what vLLM asks for (pickle.HIGHEST_PROTOCOL on Python >= 3.8);
     # its output for tuples of bytes, ints, strings and None is stable across
     # CPython versions, which the golden vectors confirm.
-    return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+    return _sha256(_pickle_dumps(obj, 5)).digest()
 
 
 def _sha256_cbor(obj: object) -> bytes:
@@ -145,12 +150,41 @@ class BlockHasher:
 
         `hashes` holds the hashes of the first len(hashes) blocks of `token_ids`; this
         is how a request's hashes follow its tokens as generated tokens fill blocks."""
+        # `hash_block` of each block in turn, inlined: a long prompt has thousands.
         size = self.block_size
-        for index in range(len(hashes), len(token_ids) // size):
-            parent = hashes[index - 1] if index else None
-            tokens = token_ids[index * size : (index + 1) * size]
-            extra = block_extra_keys(index, cache_salt, self.extra_keys_format)
-            hashes.append(self.hash_block(parent, tokens, extra))
+        start = len(hashes)
+        end = len(token_ids) // size
+        if start >= end:
+            return
+        memo = self._memo
+        digest = self._digest
+        # `_sha256_pickle` is written out below for the default algorithm (a call
+        # less per block).
+        pickled = digest is _sha256_pickle
+        tokens = tuple(token_ids[start * size : end * size])
+        parent = hashes[start - 1] if start else self.none_hash
+        # Once a block is not in the memo, the ones after it hardly ever are (each
+        # chains on the one before; one is there only if a sequence grew past it since
+        # the memo was last emptied), so they are not looked up, only remembered. The
+        # memo only saves work: the hashes are the same either way.
+        look_up = True
+        for index in range(start, end):
+            extra = (
+                block_extra_keys(0, cache_salt, self.extra_keys_format)
+                if index == 0 and cache_salt
+                else None
+            )
+            at = (index - start) * size
+            key = (parent, tokens[at : at + size], extra)
+            found = memo.get(key) if look_up else None
+            if found is None:
+                look_up = False
+                found = _sha256(_pickle_dumps(key, 5)).digest() if pickled else digest(key)
+                if len(memo) >= HASH_MEMO_ENTRIES:
+                    memo.clear()
+                memo[key] = found
+            hashes.append(found)
+            parent = found
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         hashes: list[bytes] = []

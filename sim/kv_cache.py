@@ -26,22 +26,19 @@ What routing depends on, and therefore what this reproduces:
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sim.hashing import BlockHasher, event_extra_keys
 from sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-
-@dataclass(eq=False)
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    # Set while the block is in the prefix cache (full and hashed).
-    block_hash: bytes | None = None
+# vLLM's reserved null block: never handed out.
+NULL_BLOCK = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TokenSequence:
     """One request's tokens as the KV cache sees them, and the blocks it holds."""
 
@@ -49,50 +46,52 @@ class TokenSequence:
     cache_salt: str | None = None
     # Hashes of every full block of token_ids (kept up to date as tokens are added).
     block_hashes: list[bytes] = field(default_factory=list)
-    # Blocks held, in token order: block i holds tokens [i*B, (i+1)*B).
-    blocks: list[KVBlock] = field(default_factory=list)
+    # The ids of the blocks held, in token order: block i holds tokens [i*B, (i+1)*B).
+    blocks: list[int] = field(default_factory=list)
     # How many of `blocks` are in the prefix cache under this sequence's hashes.
     num_cached_blocks: int = 0
 
 
 class BlockPool:
-    """The blocks, the free queue, the hash -> block map, and the pending events."""
+    """The blocks, the free queue, the hash -> block map, and the pending events.
+
+    A block is its id, 0 to num_gpu_blocks - 1; its reference count and, while it is
+    in the prefix cache, its hash are kept by id (no object per block: a simulated
+    fleet would have millions, and the garbage collector would walk them all)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be >= 2 (block 0 is reserved)")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
+        # An array and dicts of ints and bytes only: the garbage collector does not
+        # walk them.
+        self._ref_cnt = array("i", bytes(4 * num_gpu_blocks))
+        self._block_hash: dict[int, bytes] = {}  # of the blocks in the prefix cache
         # vLLM's free queue starts as every block in id order; blocks go back to its
         # tail when freed. So the blocks never handed out yet are always at its head,
         # in id order, and are taken before any freed one: they are kept as a
-        # counter (`_fresh`, the next one's id) and created when first taken, and the
-        # queue (`_free`) holds the freed blocks only. A pool of 27,000 blocks then
-        # costs nothing until it is used.
-        self._created: list[KVBlock] = [KVBlock(0)]
-        self.null_block = self._created[0]
+        # counter (`_fresh`, the next one's id), and the queue (`_free`) holds the
+        # freed blocks only.
         self._fresh = 1
         # Insertion-ordered: head = next freed block to hand out (and evict). An
         # OrderedDict gives O(1) removal from the middle, needed by touch().
-        self._free: OrderedDict[int, KVBlock] = OrderedDict()
-        self._cached: dict[bytes, dict[int, KVBlock]] = {}
+        self._free: OrderedDict[int, None] = OrderedDict()
+        # Cached blocks by hash: the oldest copy of each hash, and, only for hashes
+        # with two copies or more, every copy in the order they were cached.
+        self._cached: dict[bytes, int] = {}
+        self._copies: dict[bytes, dict[int, None]] = {}
         self._events: list[KVEvent] = []
+        # False: no events are made (nobody reads them; the routing lab without a
+        # KV-event consumer). The cache itself behaves the same.
+        self.record_events = True
 
-    @property
-    def blocks(self) -> list[KVBlock]:
-        """Every block, by id (those never used are created now; for tests and reset)."""
-        created = self._created
-        created.extend(KVBlock(i) for i in range(len(created), self.num_gpu_blocks))
-        return created
+    def ref_cnt(self, block: int) -> int:
+        return self._ref_cnt[block]
 
-    def _take_fresh(self) -> KVBlock:
-        block_id = self._fresh
-        self._fresh += 1
-        if block_id < len(self._created):
-            return self._created[block_id]
-        block = KVBlock(block_id)
-        self._created.append(block)
-        return block
+    def block_hash(self, block: int) -> bytes | None:
+        """The hash the block is cached under, or None."""
+        return self._block_hash.get(block)
 
     # -- accounting -------------------------------------------------------------
 
@@ -110,7 +109,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(len(copies) for copies in self._cached.values())
+        extra = sum(len(copies) - 1 for copies in self._copies.values())
+        return len(self._cached) + extra
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
@@ -122,73 +122,110 @@ class BlockPool:
         """Block ids in eviction order (for tests and /sim/state)."""
         return [*range(self._fresh, self.num_gpu_blocks), *self._free]
 
+    def num_unheld(self, blocks: list[int]) -> int:
+        """How many of `blocks` nobody holds (free, but possibly cached)."""
+        ref_cnt = self._ref_cnt
+        return sum(1 for block in blocks if ref_cnt[block] == 0)
+
     # -- operations ------------------------------------------------------------
 
-    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
-        copies = self._cached.get(block_hash)
-        if not copies:
-            return None
-        for block in copies.values():
-            return block  # any copy will do
-        return None
+    def get_cached_block(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash)  # any copy will do: the oldest
 
-    def touch(self, blocks: list[KVBlock]) -> None:
+    def cached_prefix(self, block_hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `block_hashes` from the first one
+        (`get_cached_block` of each, stopping at the first miss)."""
+        cached = self._cached
+        hits = []
+        for block_hash in block_hashes:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def touch(self, blocks: list[int]) -> None:
         """Take a reference on cached blocks (prefix hits), out of the free queue."""
+        ref_cnt = self._ref_cnt
         for block in blocks:
-            if block.ref_cnt == 0:
-                del self._free[block.block_id]
-            block.ref_cnt += 1
+            if ref_cnt[block] == 0:
+                del self._free[block]
+            ref_cnt[block] += 1
 
-    def allocate(self, count: int) -> list[KVBlock]:
+    def allocate(self, count: int) -> list[int]:
         """Take `count` blocks from the head of the free queue, evicting their hashes."""
         if count > self.num_free_blocks:
             raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} free")
-        taken = []
-        for _ in range(count):
-            if self._fresh < self.num_gpu_blocks:
-                block = self._take_fresh()
-            else:
-                _, block = self._free.popitem(last=False)
-                self._evict(block)
-            block.ref_cnt += 1
+        ref_cnt = self._ref_cnt
+        # Blocks never handed out first (the head of vLLM's free queue), in id order;
+        # none of them is cached.
+        first = self._fresh
+        end = min(first + count, self.num_gpu_blocks)
+        self._fresh = end
+        taken = list(range(first, end))
+        for block in taken:
+            ref_cnt[block] += 1
+        free = self._free
+        for _ in range(count - len(taken)):
+            block, _ = free.popitem(last=False)
+            self._evict(block)
+            ref_cnt[block] += 1
             taken.append(block)
         return taken
 
-    def _evict(self, block: KVBlock) -> None:
-        block_hash = block.block_hash
+    def _evict(self, block: int) -> None:
+        block_hash = self._block_hash.pop(block, None)
         if block_hash is None:
             return
-        copies = self._cached[block_hash]
-        del copies[block.block_id]
-        if not copies:
-            del self._cached[block_hash]
-        block.block_hash = None
-        self._events.append(BlockRemoved((block_hash,)))
+        copies = self._copies.get(block_hash)
+        if copies is None:
+            del self._cached[block_hash]  # its only copy
+        else:
+            del copies[block]
+            self._cached[block_hash] = next(iter(copies))
+            if len(copies) == 1:
+                del self._copies[block_hash]
+        if self.record_events:
+            self._events.append(BlockRemoved((block_hash,)))
 
-    def free(self, blocks: list[KVBlock]) -> None:
+    def free(self, blocks: list[int]) -> None:
         """Drop one reference on each block; blocks nobody holds join the free
         queue's tail in the given order (callers pass a request's blocks tail first)."""
+        ref_cnt = self._ref_cnt
         for block in blocks:
-            block.ref_cnt -= 1
+            ref_cnt[block] -= 1
+        free = self._free
         for block in blocks:
-            if block.ref_cnt == 0 and block is not self.null_block:
-                self._free[block.block_id] = block
+            if ref_cnt[block] == 0 and block != NULL_BLOCK:
+                free[block] = None
 
     def cache_full_blocks(self, seq: TokenSequence, start: int, end: int) -> None:
         """Put seq.blocks[start:end] (now full) into the prefix cache; one BlockStored."""
+        cached = self._cached
+        block_hash_of = self._block_hash
+        hashes = seq.block_hashes[start:end]
+        for block, block_hash in zip(seq.blocks[start:end], hashes, strict=True):
+            block_hash_of[block] = block_hash
+            oldest = cached.setdefault(block_hash, block)
+            if oldest != block:
+                copies = self._copies.get(block_hash)
+                if copies is None:
+                    copies = self._copies[block_hash] = {oldest: None}
+                copies[block] = None
+        if not self.record_events:
+            return
         size = self.block_size
-        for index in range(start, end):
-            block = seq.blocks[index]
-            block_hash = seq.block_hashes[index]
-            block.block_hash = block_hash
-            self._cached.setdefault(block_hash, {})[block.block_id] = block
+        # Only block 0 carries extra keys (`event_extra_keys`).
+        extra_keys: tuple[list[str] | None, ...] = (None,) * (end - start)
+        if start == 0 and seq.cache_salt:
+            extra_keys = (event_extra_keys(0, seq.cache_salt), *extra_keys[1:])
         self._events.append(
             BlockStored(
-                block_hashes=tuple(seq.block_hashes[start:end]),
+                block_hashes=tuple(hashes),
                 parent_block_hash=seq.block_hashes[start - 1] if start > 0 else None,
                 token_ids=tuple(seq.token_ids[start * size : end * size]),
                 block_size=size,
-                extra_keys=tuple(event_extra_keys(i, seq.cache_salt) for i in range(start, end)),
+                extra_keys=extra_keys,
             )
         )
 
@@ -196,11 +233,11 @@ class BlockPool:
         """Forget every cached hash; refused (False) while any block is held."""
         if self.num_used_blocks != 0:
             return False
-        for copies in self._cached.values():
-            for block in copies.values():
-                block.block_hash = None
+        self._block_hash.clear()
         self._cached.clear()
-        self._events.append(AllBlocksCleared())
+        self._copies.clear()
+        if self.record_events:
+            self._events.append(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[KVEvent]:
@@ -218,7 +255,9 @@ class KVCacheManager:
         self.hasher = hasher
         self.block_size = pool.block_size
 
-    def new_sequence(self, token_ids: list[int], cache_salt: str | None = None) -> TokenSequence:
+    def new_sequence(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> TokenSequence:
         seq = TokenSequence(token_ids=list(token_ids), cache_salt=cache_salt)
         self.hasher.extend(seq.block_hashes, seq.token_ids, cache_salt)
         return seq
@@ -230,28 +269,21 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_prefix_hit(self, seq: TokenSequence) -> list[KVBlock]:
+    def find_prefix_hit(self, seq: TokenSequence) -> list[int]:
         """The longest run of cached blocks matching the sequence from block 0.
 
         At least the last token is always left to compute (its logits give the next
         token), so a fully cached prompt hits all but its last block when the prompt
         ends on a block boundary."""
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        hits = []
-        get_cached = self.pool.get_cached_block
-        for block_hash in seq.block_hashes[:max_blocks]:
-            block = get_cached(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.pool.cached_prefix(seq.block_hashes[:max_blocks])
 
     def can_allocate(
         self,
         seq: TokenSequence,
         num_computed_tokens: int,
         num_new_tokens: int,
-        hit_blocks: list[KVBlock] | None = None,
+        hit_blocks: list[int] | None = None,
     ) -> bool:
         return self._blocks_short(seq, num_computed_tokens, num_new_tokens, hit_blocks or []) <= 0
 
@@ -260,13 +292,13 @@ class KVCacheManager:
         seq: TokenSequence,
         num_computed_tokens: int,
         num_new_tokens: int,
-        hit_blocks: list[KVBlock],
+        hit_blocks: list[int],
     ) -> int:
         needed = self.blocks_needed(num_computed_tokens + num_new_tokens)
         to_allocate = max(0, needed - len(seq.blocks) - len(hit_blocks))
         # Hit blocks nobody holds are counted as free now, but touching them takes
         # them out of the free queue: they cannot also serve as new blocks.
-        evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        evictable_hits = self.pool.num_unheld(hit_blocks)
         return to_allocate - (self.pool.num_free_blocks - evictable_hits)
 
     def allocate_slots(
@@ -274,7 +306,7 @@ class KVCacheManager:
         seq: TokenSequence,
         num_computed_tokens: int,
         num_new_tokens: int,
-        hit_blocks: list[KVBlock] | None = None,
+        hit_blocks: list[int] | None = None,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after `num_computed_tokens`
         (which include the hit blocks' tokens), and cache the blocks those tokens fill.
@@ -311,6 +343,6 @@ class KVCacheManager:
 
     def free(self, seq: TokenSequence) -> None:
         """Release a finished (or preempted) sequence's blocks, tail first."""
-        self.pool.free(list(reversed(seq.blocks)))
+        self.pool.free(seq.blocks[::-1])
         seq.blocks = []
         seq.num_cached_blocks = 0

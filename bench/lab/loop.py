@@ -17,27 +17,32 @@ Action = Callable[[], None]
 class EventLoop:
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
+        # The virtual time now: the clock itself (read once or more per action).
+        self.now: Callable[[], float] = clock
         self._heap: list[tuple[float, int, Action]] = []
         self._seq = 0
         self.actions_run = 0
 
-    def now(self) -> float:
-        return self.clock()
-
     def at(self, when: float, action: Action) -> None:
         """Run `action` at virtual time `when` (now, if `when` is in the past)."""
         self._seq += 1
-        heapq.heappush(self._heap, (max(when, self.clock()), self._seq, action))
+        now = self.clock()
+        heapq.heappush(self._heap, (when if when > now else now, self._seq, action))
 
     def after(self, delay: float, action: Action) -> None:
-        self.at(self.clock() + delay, action)
+        # `at(now + delay)`, written out: a pod schedules one of these per step.
+        self._seq += 1
+        now = self.clock()
+        when = now + delay
+        heapq.heappush(self._heap, (when if when > now else now, self._seq, action))
 
     def run(self) -> None:
         """Run every action, moving the clock to each one's time, until none is left."""
         heap = self._heap
         clock = self.clock
+        pop = heapq.heappop
         while heap:
-            when, _, action = heapq.heappop(heap)
+            when, _, action = pop(heap)
             if when > clock():
                 clock.set(when)
             action()

@@ -218,10 +218,18 @@ class DynamoKv:
             for worker in candidates:
                 overlap[worker] += 1
         costs = []
+        # The prompt's blocks a worker's requests in flight do not hold, counted by a
+        # set intersection when the prompt's hashes are distinct (chained hashes
+        # always are): the same count, without a look-up per block and worker.
+        distinct = set(hashes)
+        counted = distinct if len(distinct) == len(hashes) else None
         for worker, active in enumerate(self.active):
             new_tokens = max(0, len(prompt) - overlap[worker] * size)
             prefill_blocks = (self.prefill_tokens[worker] + new_tokens) / size
-            new_blocks = sum(1 for h in hashes if h not in active)
+            if counted is not None:
+                new_blocks = len(hashes) - len(counted.intersection(active))
+            else:
+                new_blocks = sum(1 for h in hashes if h not in active)
             costs.append(prefill_blocks + len(active) + new_blocks)
         best = min(costs)
         chosen = self._rng.choice([w for w, c in enumerate(costs) if c == best])

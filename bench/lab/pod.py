@@ -4,8 +4,13 @@ lab's event loop, with what the EPP can see of it.
 - **Steps**: as `sim.engine.Engine` runs them, back to back while there is work,
   each taking the latency model's time; a request that arrives while the engine
   is idle starts a step at once.
+- **Outputs**: the lab's client times a request's first token and its end, and
+  nothing else, so only those are put to its sink: the engine core then need not
+  touch a decoding request in the steps between (`EngineRequest.quiet`), which is
+  most steps. Every step still happens, at the same time, as one loop event.
 - **KV events**: each step's batch goes to `on_events` when the step ends (the
-  EPP side adds the delivery delay).
+  EPP side adds the delivery delay). With no `on_events`, the block pool does not
+  make them.
 - **Metrics**: the EPP scrapes every pod every refresh interval; what a scrape
   returns is the pod's state at the moment it was taken. The pod keeps a short
   history of its state (waiting, running, KV usage after every change) so the
@@ -20,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.lab.loop import EventLoop
-from sim.engine import EngineConfig, EngineCore, EngineRequest, OutputSink, Step
+from sim.engine import EngineConfig, EngineCore, EngineRequest, OutputSink, Step, TokenOutput
 from sim.kv_cache import TokenSequence
 from sim.kv_events import KVEvent
 from sim.latency import LatencyModel
@@ -45,6 +50,25 @@ class PodState:
 EventsHandler = Callable[["LabPod", Sequence[KVEvent]], None]
 
 
+class _Outputs:
+    """A request's sink as the engine holds it: lets go of the real one after the
+    end. The lab's client references its engine request back; without this each
+    request and all it holds (tokens, blocks, the router's decision) would wait
+    for the garbage collector."""
+
+    __slots__ = ("sink",)
+
+    def __init__(self, sink: OutputSink) -> None:
+        self.sink: OutputSink | None = sink
+
+    def put_nowait(self, item: TokenOutput, /) -> None:
+        sink = self.sink
+        assert sink is not None, "an output after the end"
+        if item.finish_reason is not None or item.error is not None:
+            self.sink = None
+        sink.put_nowait(item)
+
+
 class LabPod:
     def __init__(
         self,
@@ -63,10 +87,24 @@ class LabPod:
         self.core = EngineCore(config, answer_token_ids, latency, clock=loop.now)
         self.on_events = on_events
         self._stepping = False
+        self._step: Step | None = None  # the step in flight
+        self._end_step_action = self._end_step  # bound once: scheduled every step
         self._times: list[float] = []
         self._states: list[PodState] = []
+        # (waiting, running, free blocks) of the last state recorded.
+        self._last_state: tuple[int, int, int] | None = None
         self.busy_s = 0.0
         self._record()
+
+    @property
+    def on_events(self) -> EventsHandler | None:
+        return self._on_events
+
+    @on_events.setter
+    def on_events(self, handler: EventsHandler | None) -> None:
+        # Events nobody reads are not made (BlockStored copies its blocks' tokens).
+        self._on_events = handler
+        self.core.kv.pool.record_events = handler is not None
 
     # -- requests ---------------------------------------------------------------------
 
@@ -82,10 +120,11 @@ class LabPod:
             prompt_token_ids,
             max_tokens,
             "length",
-            outputs,
+            _Outputs(outputs),
             cache_salt,
             stream=True,
             sequence=sequence,
+            quiet=True,  # the first token and the end only (module docstring)
         )
         self._record()
         if not self._stepping:
@@ -96,18 +135,19 @@ class LabPod:
         """The prompt's sequence for `submit`, and how many of its tokens the pod's
         prefix cache does not hold now."""
         kv = self.core.kv
-        sequence = kv.new_sequence(list(prompt_token_ids))
+        sequence = kv.new_sequence(prompt_token_ids)
         hits = kv.find_prefix_hit(sequence)
         return sequence, len(prompt_token_ids) - len(hits) * self.core.config.block_size
 
     # -- steps ------------------------------------------------------------------------
 
     def _start_step(self) -> None:
+        core = self.core
         for _ in range(MAX_EMPTY_STEPS):
-            step = self.core.begin_step()
-            if step.scheduled:
+            step = core.begin_step()
+            if step.scheduled or step.quiet:  # not empty
                 break
-            self._emit(self.core.take_events())
+            self._emit()
             if not step.preempted:
                 self._stepping = False
                 self._record()
@@ -115,28 +155,45 @@ class LabPod:
         else:
             raise RuntimeError(f"{self.name}: the engine preempts without ever scheduling")
         self._stepping = True
-        self._record()  # what the step admitted is running from now on
+        if step.scheduled or step.preempted:
+            # What the step admitted is running from now on. (A step of quiet requests
+            # alone changes nothing a scrape reads, nor makes KV events.)
+            self._record()
         self.busy_s += step.duration
-        self.loop.after(step.duration, lambda: self._end_step(step))
+        self._step = step
+        self.loop.after(step.duration, self._end_step_action)
 
-    def _end_step(self, step: Step) -> None:
-        self.core.finish_step(step)
-        self._emit(self.core.take_events())
-        self._record()
-        if self.core.has_work:
+    def _end_step(self) -> None:
+        step = self._step
+        assert step is not None
+        core = self.core
+        core.finish_step(step)
+        if step.scheduled:
+            self._emit()
+            self._record()
+        if core.has_work:
             self._start_step()
         else:
+            self._step = None
             self._stepping = False
 
-    def _emit(self, events: list[KVEvent]) -> None:
-        if events and self.on_events is not None:
-            self.on_events(self, events)
+    def _emit(self) -> None:
+        events = self.core.take_events()
+        if events and self._on_events is not None:
+            self._on_events(self, events)
 
     # -- what a scrape sees -------------------------------------------------------------
 
     def _record(self) -> None:
         core = self.core
-        state = PodState(len(core.waiting), len(core.running), core.kv.pool.usage())
+        pool = core.kv.pool
+        key = (len(core.waiting), len(core.running), pool.num_free_blocks)
+        if key == self._last_state:
+            # Unchanged (most steps): the entry already there says the same from its
+            # time on, which is all `state_at` reads.
+            return
+        self._last_state = key
+        state = PodState(key[0], key[1], pool.usage())
         now = self.loop.now()
         times = self._times
         if times and times[-1] == now:

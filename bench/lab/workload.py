@@ -27,6 +27,7 @@ finds cached prefixes keeps up where one that does not falls behind.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -35,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.workloads import (
+    TRACE_BLOCK_TOKENS,
     TRACE_SYSTEM_PROMPT,
     Turn,
     Words,
     Workload,
     read_trace,
-    trace_block_words,
+    trace_block_indices,
     trace_params,
 )
 from sim.latency import LatencyModel
@@ -48,6 +50,14 @@ from sim.latency import LatencyModel
 MODEL = "sim-model"
 # How many turns of a run are checked against the real tokenizer.
 VERIFY_TURNS = 3
+# How many token ids of recent message contents `PromptIds` remembers (8 MiB of
+# them): counted in tokens, so that the unique questions of a shared-prefix
+# workload do not push its few long system prompts out.
+TEXT_MEMORY_TOKENS = 1 << 20
+# How many of a trace's blocks (`_TraceBlocks`) are remembered: about 270 MB of them.
+# A conversation trace reuses blocks from turn to turn: on the mooncake conversation
+# trace (12,000 requests) this many catch nine tenths of the reuse, 8,192 half.
+TRACE_BLOCK_MEMORY = 32_768
 
 
 @dataclass(frozen=True)
@@ -100,22 +110,36 @@ class PromptIds:
         if template is None:
             raise ValueError(f"tokenizer {self.tokenizer.name} has no chat template")
         self.template = template
-        self._word_ids: dict[str, int] = {}
+        self._word_ids: dict[str, int] = {}  # clean word without its leading space -> id
         self._pieces: dict[str, list[int]] = {}
+        # Recent message contents' ids, up to TEXT_MEMORY_TOKENS ids in all.
         self._texts: OrderedDict[str, list[int]] = OrderedDict()
+        self._texts_tokens = 0
+        self._vocabulary_ids: list[int] | None = None
         self.checked = 0
 
-    def _word_ids_of(self, words: list[str]) -> list[int] | None:
-        """The ids of `words` (without their leading space), or None if one is not a
-        clean word of the workload's vocabulary."""
+    def _table(self) -> dict[str, int]:
         table = self._word_ids
         if not table:
             for word in self.words.words:
                 (table[word[1:]],) = self.tokenizer.encode(word, add_special_tokens=False)
+        return table
+
+    def _word_ids_of(self, words: list[str]) -> list[int] | None:
+        """The ids of `words` (without their leading space), or None if one is not a
+        clean word of the workload's vocabulary."""
+        table = self._table()
         try:
             return [table[w] for w in words]
         except KeyError:
             return None
+
+    def vocabulary_ids(self) -> list[int]:
+        """The token id of each of the workload's clean words (`Words.words`)."""
+        if self._vocabulary_ids is None:
+            table = self._table()
+            self._vocabulary_ids = [table[w[1:]] for w in self.words.words]
+        return self._vocabulary_ids
 
     def _piece(self, text: str) -> list[int]:
         found = self._pieces.get(text)
@@ -133,20 +157,28 @@ class PromptIds:
         if ids is None:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         self._texts[text] = ids
-        if len(self._texts) > 256:
-            self._texts.popitem(last=False)
+        self._texts_tokens += len(ids)
+        while self._texts_tokens > TEXT_MEMORY_TOKENS and len(self._texts) > 1:
+            self._texts_tokens -= len(self._texts.popitem(last=False)[1])
         return ids
 
-    def ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def ids(
+        self,
+        messages: Sequence[tuple[str, str]],
+        content_ids: Sequence[Sequence[int] | None] = (),
+    ) -> list[int]:
+        """`content_ids`: the ids of the first messages' contents where the caller has
+        them already (None where not): clean words' ids (`vocabulary_ids`)."""
         rendered = self.template.render([{"role": r, "content": c} for r, c in messages])
         out: list[int] = []
         at = 0
-        for _, content in messages:
+        for i, (_, content) in enumerate(messages):
             found = rendered.find(content, at) if content else at
             if found < 0:
                 raise ValueError("the chat template does not render message contents verbatim")
             out += self._piece(rendered[at:found]) if found > at else []
-            out += self._content(content)
+            known = content_ids[i] if i < len(content_ids) else None
+            out += self._content(content) if known is None else known
             at = found + len(content)
         out += self._piece(rendered[at:]) if at < len(rendered) else []
         if self.checked < VERIFY_TURNS:
@@ -189,26 +221,55 @@ def from_workload(workload: Workload, words: Words) -> LabWorkload:
     return LabWorkload(workload.name, workload.params, sessions, workload)
 
 
-class _BlockWords:
-    """A trace's 512-token blocks as words, drawn from (seed, hash id) as
-    bench/workloads.py draws them, remembered for the most recent blocks."""
+@dataclass(frozen=True)
+class _TraceBlock:
+    text: str  # its words (`trace_block_words`) joined
+    # Their token ids (clean words: one token each). A tuple of ints: once it is
+    # old enough, the garbage collector no longer walks it.
+    ids: tuple[int, ...]
 
-    def __init__(self, words: Words, seed: int, capacity: int = 8192) -> None:
+
+class _TraceBlocks:
+    """A trace's 512-token blocks, drawn from (seed, hash id) as bench/workloads.py
+    draws them, with their token ids, remembered for the most recent blocks (about
+    8 KB each: drawing and joining a block's words takes a quarter of a millisecond,
+    most of a long trace's prompt building)."""
+
+    def __init__(
+        self, words: Words, seed: int, builder: PromptIds, capacity: int = TRACE_BLOCK_MEMORY
+    ) -> None:
         self.words = words
         self.seed = seed
+        self.builder = builder
         self.capacity = capacity
-        self._cache: OrderedDict[int, list[str]] = OrderedDict()
+        self._cache: OrderedDict[int, _TraceBlock] = OrderedDict()
 
-    def __call__(self, hash_id: int) -> list[str]:
+    def __call__(self, hash_id: int) -> _TraceBlock:
         found = self._cache.get(hash_id)
         if found is not None:
             self._cache.move_to_end(hash_id)
             return found
-        found = trace_block_words(self.words, self.seed, hash_id)
+        drawn = trace_block_indices(self.words, self.seed, hash_id)
+        found = _TraceBlock(
+            "".join(map(self.words.words.__getitem__, drawn)),
+            tuple(map(self.builder.vocabulary_ids().__getitem__, drawn)),
+        )
         self._cache[hash_id] = found
         if len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
         return found
+
+    def prompt(self, hash_ids: Sequence[int], length: int) -> tuple[str, tuple[int, ...]]:
+        """The first `length` words of the blocks, as one text (bench/workloads.py's),
+        and their ids; only the blocks they reach are drawn."""
+        used = [self(h) for h in hash_ids[: -(-length // TRACE_BLOCK_TOKENS)]]
+        ids = tuple(itertools.islice(itertools.chain.from_iterable(b.ids for b in used), length))
+        texts = [b.text for b in used]
+        cut = length - (len(used) - 1) * TRACE_BLOCK_TOKENS  # words of the last block
+        if used and cut < TRACE_BLOCK_TOKENS:
+            # Its first `cut` words: each is a space and letters.
+            texts[-1] = " ".join(texts[-1].split(" ", cut + 1)[: cut + 1])
+        return "".join(texts), ids
 
 
 def trace_workload(
@@ -227,15 +288,15 @@ def trace_workload(
     records = read_trace(path, limit)
     if not records:
         raise ValueError(f"{path}: no trace records")
-    blocks = _BlockWords(words, seed)
     builder = PromptIds(words)
+    blocks = _TraceBlocks(words, seed, builder)
     start = min(r.timestamp_ms for r in records)
 
     def make(hash_ids: tuple[int, ...], length: int, output: int) -> LabTurn:
         def build() -> tuple[bytes, list[int]]:
-            pieces = [w for h in hash_ids for w in blocks(h)][:length]
-            messages = (("system", TRACE_SYSTEM_PROMPT), ("user", "".join(pieces)))
-            return _body(messages, output), builder.ids(messages)
+            text, ids = blocks.prompt(hash_ids, length)
+            messages = (("system", TRACE_SYSTEM_PROMPT), ("user", text))
+            return _body(messages, output), builder.ids(messages, (None, ids))
 
         return LabTurn(output, length, build)
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from sim import hashing
 from sim.hashing import (
     DEFAULT_HASH_SEED,
     BlockHasher,
+    HashAlgo,
     block_extra_keys,
     event_extra_keys,
     resolve_hash_seed,
@@ -119,6 +123,29 @@ def test_memoised_hashes_are_the_digests() -> None:
     fresh = BlockHasher("sha256_cbor", "0", 16).block_hashes(list(range(1, 49)))
     assert first == again == fresh
     assert to_event_hash(first[2]) == 5191110061519319221
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize("salt", [None, "salt-A"])
+def test_extend_chains_hash_block_through_memo_hits_and_misses(
+    algo: HashAlgo, salt: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `extend` is the chain of `hash_block` calls, whatever the memo holds: shared
+    # prefixes (hits, then misses), and a memo emptied partway.
+    monkeypatch.setattr(hashing, "HASH_MEMO_ENTRIES", 7)
+    hasher = BlockHasher(algo, "0", 4, "plain")
+    rng = random.Random(5)
+    prefix = [rng.randrange(10**6) for _ in range(24)]
+    for _ in range(6):
+        tokens = prefix[: rng.randrange(25)] + [rng.randrange(10**6) for _ in range(30)]
+        expected: list[bytes] = []
+        for i in range(len(tokens) // 4):
+            parent = expected[-1] if expected else None
+            extra = block_extra_keys(i, salt, "plain")
+            expected.append(hasher.hash_block(parent, tokens[4 * i : 4 * i + 4], extra))
+        hashes = hasher.block_hashes(tokens[:9], salt)
+        hasher.extend(hashes, tokens, salt)
+        assert hashes == expected == BlockHasher(algo, "0", 4, "plain").block_hashes(tokens, salt)
 
 
 def test_unknown_algo() -> None:

@@ -29,7 +29,7 @@ def test_block_zero_is_reserved() -> None:
     assert kv.pool.num_usable_blocks == 8
     assert kv.pool.free_queue_ids() == list(range(1, 9))
     seq, _ = prefill(kv, list(range(10)))
-    assert [b.block_id for b in seq.blocks] == [1, 2, 3]
+    assert seq.blocks == [1, 2, 3]  # blocks are ids
     assert kv.pool.usage() == pytest.approx(3 / 8)
 
 
@@ -52,15 +52,15 @@ def test_prefix_hit_and_ref_counts() -> None:
     b, hit = prefill(kv, [*range(8), 99, 98, 97])
     assert hit == 8
     # The shared blocks are held twice; b's own third block is new.
-    assert [blk.ref_cnt for blk in b.blocks] == [2, 2, 1]
+    assert [kv.pool.ref_cnt(blk) for blk in b.blocks] == [2, 2, 1]
     assert b.blocks[:2] == a.blocks[:2]
-    a_third = a.blocks[2].block_id
+    a_third = a.blocks[2]
     kv.free(a)
-    assert [blk.ref_cnt for blk in b.blocks] == [1, 1, 1]
+    assert [kv.pool.ref_cnt(blk) for blk in b.blocks] == [1, 1, 1]
     # Only a's third block (partial, unhashed) became free.
     assert kv.pool.free_queue_ids()[-1] == a_third
     kv.free(b)
-    assert all(blk.ref_cnt == 0 for blk in kv.pool.blocks[1:])
+    assert all(kv.pool.ref_cnt(blk) == 0 for blk in range(kv.pool.num_gpu_blocks))
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
     # Free, but still cached: a third request hits them.
     _, hit = prefill(kv, list(range(9)))
@@ -87,8 +87,8 @@ def test_lru_eviction_order_and_block_removed() -> None:
     kv = manager(9)  # 8 usable blocks
     a, _ = prefill(kv, list(range(100, 108)))  # 2 blocks
     b, _ = prefill(kv, list(range(200, 212)))  # 3 blocks
-    a_ids = [blk.block_id for blk in a.blocks]
-    b_ids = [blk.block_id for blk in b.blocks]
+    a_ids = list(a.blocks)
+    b_ids = list(b.blocks)
     kv.free(a)
     kv.free(b)  # freed later: evicted later; each request tail first
     # Never-used blocks first, then a's blocks tail first, then b's tail first.
@@ -129,10 +129,11 @@ def test_decode_tokens_are_cached_when_a_block_fills() -> None:
 def test_pool_exhaustion_changes_nothing() -> None:
     kv = manager(5)  # 4 usable
     a, _ = prefill(kv, list(range(12)))  # 3 blocks
-    before = (kv.pool.num_free_blocks, [blk.ref_cnt for blk in kv.pool.blocks])
+    refs = range(kv.pool.num_gpu_blocks)
+    before = (kv.pool.num_free_blocks, [kv.pool.ref_cnt(blk) for blk in refs])
     b = kv.new_sequence(list(range(50, 58)))  # needs 2, 1 free
     assert not kv.allocate_slots(b, 0, 8)
-    assert (kv.pool.num_free_blocks, [blk.ref_cnt for blk in kv.pool.blocks]) == before
+    assert (kv.pool.num_free_blocks, [kv.pool.ref_cnt(blk) for blk in refs]) == before
     assert b.blocks == []
     kv.free(a)
     assert kv.allocate_slots(b, 0, 8)

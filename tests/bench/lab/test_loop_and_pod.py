@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 from bench.lab.loop import EventLoop
@@ -56,10 +58,15 @@ def test_a_request_takes_the_latency_models_time_and_caches_its_blocks() -> None
     prompt = list(range(100, 164))  # 4 blocks
     request = pod.submit(prompt, 3, out)
     loop.run()
-    # First token after one prefill step, then two decode steps.
-    assert out.times[0] == pytest.approx(10.0 + latency.prefill_time(64))
-    assert len(out.outputs) == 3
+    # First token after one prefill step, then two decode steps. The lab's client
+    # only times the first token and the end, so those are all a pod puts.
+    first = 10.0 + latency.prefill_time(64)
+    assert out.times[0] == pytest.approx(first)
+    assert [o.token_ids for o in out.outputs] == [(7,), (9,)]
     assert out.outputs[-1].finish_reason == "length"
+    decode = latency.decode_step_time(1, 64) + latency.decode_step_time(1, 65)
+    assert out.times[1] == pytest.approx(first + decode)
+    assert request.output_token_ids == [7, 8, 9]
     assert request.first_token_time == pytest.approx(out.times[0])
     stored = [e for _, batch in events for e in batch if isinstance(e, BlockStored)]
     assert sum(len(e.block_hashes) for e in stored) == 4  # the prompt's 4 full blocks
@@ -83,3 +90,18 @@ def test_state_at_reads_the_state_a_scrape_would_have_seen() -> None:
     first_step = LatencyModel().prefill_time(40)
     assert pod.state_at(1.0 + first_step).running == 2
     assert pod.state_at(loop.now()).running == 0  # all done
+
+
+def test_a_finished_request_lets_go_of_its_client() -> None:
+    # The lab's client references its engine request back: the pod's engine drops
+    # the client at the end, so both go without waiting for the garbage collector.
+    loop = EventLoop(VirtualClock(0.0))
+    pod = pod_with(loop, [])
+    out = Collect(loop)
+    client = weakref.ref(out)
+    request = pod.submit(list(range(40)), 5, out)
+    loop.run()
+    assert [o.finish_reason for o in out.outputs] == [None, "length"]
+    del out
+    assert client() is None
+    assert request.output_token_ids == [7, 8, 9, 7, 8]
