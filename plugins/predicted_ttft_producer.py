@@ -64,11 +64,13 @@ from epp.promutil import shared
 from epp.requests import InferenceRequest
 from epp.scheduling import (
     METRICS,
+    TTFT_OBSERVED,
     CycleState,
     PluginContext,
     ResponseInfo,
     SchedulingResult,
     StateKey,
+    TtftObservation,
     prefix_match_key,
 )
 from epp.ttft.ledger import PodLedger
@@ -320,6 +322,7 @@ class PredictedTtftProducer:
         if not (elapsed_s > 0 and math.isfinite(elapsed_s)):
             return
         self._observed.observe(elapsed_s)
+        cycle.put(TTFT_OBSERVED, TtftObservation(result.targets[0].name, predicted, elapsed_s))
         if predicted > 0:
             self._error.observe(abs(predicted - elapsed_s) / elapsed_s)
         self.model.observe(charge.prediction.x, elapsed_s)

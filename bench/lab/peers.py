@@ -81,6 +81,7 @@ class SglangCacheAware:
     ) -> None:
         self.pods = list(pods)
         self.route_delay_s = 0.0
+        self.ttft_predictions: list[tuple[float, float]] = []  # it predicts none
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
@@ -158,6 +159,7 @@ class DynamoKv:
     ) -> None:
         self.pods = list(pods)
         self.route_delay_s = 0.0
+        self.ttft_predictions: list[tuple[float, float]] = []  # it predicts none
         self.loop = loop
         self.kv_event_s = kv_event_s
         engine = pods[0].core.config

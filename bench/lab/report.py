@@ -17,7 +17,7 @@ def _pm(result: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
     if value is None:
         return "-"
     text = format(value * scale, spec)
-    return text if ci is None else f"{text} ± {format(ci * scale, spec)}"
+    return text if ci is None else f"{text} ± {format(ci * scale, spec.lstrip('+'))}"
 
 
 def table(policies: dict[str, Any]) -> list[str]:
@@ -77,6 +77,25 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
             f" {oracle['h_star']:.3f} (every request reuses the longest prefix any earlier"
             f" request left); h_random = {oracle['h_random']:.3f} (uniformly random routing,"
             " infinite caches).",
+            "",
+        ]
+    predicted = {
+        name: r
+        for name, r in document["policies"].items()
+        if r.get("ttft_prediction_error_p50") is not None
+    }
+    if predicted:
+        lines += [
+            "TTFT predictions (pick to first response chunk, as the EPP observes it;"
+            " mean over seeds of each run's median and p90 of |predicted - observed| /"
+            " observed, and its median of predicted / observed - 1):",
+            "",
+            *[
+                f"- {name}: error p50 {_pm(r, 'ttft_prediction_error_p50', '.1%')},"
+                f" p90 {_pm(r, 'ttft_prediction_error_p90', '.1%')};"
+                f" bias p50 {_pm(r, 'ttft_prediction_bias_p50', '+.1%')}"
+                for name, r in predicted.items()
+            ],
             "",
         ]
     speed = ", ".join(
@@ -155,11 +174,47 @@ def plot_load(document: dict[str, Any], out: Path) -> str:
     return "load_per_pod.png"
 
 
+def plot_predictions(document: dict[str, Any], out: Path) -> str | None:
+    """Predicted against observed TTFT (pick to first chunk), all seeds pooled, one
+    panel per policy that predicts; None when no policy does."""
+    predicted = {
+        name: [pair for run in r["runs"] for pair in run.get("ttft_predictions", ())]
+        for name, r in document["policies"].items()
+    }
+    predicted = {name: pairs for name, pairs in predicted.items() if pairs}
+    if not predicted:
+        return None
+    fig, axes = plt.subplots(1, len(predicted), figsize=(4.5 * len(predicted), 4.2), squeeze=False)
+    for ax, (name, pairs) in zip(axes[0], predicted.items(), strict=True):
+        xs = [o * 1000 for _, o in pairs]
+        ys = [p * 1000 for p, _ in pairs]
+        ax.scatter(xs, ys, s=3, alpha=0.3)
+        low = max(0.1, min(min(xs), min(ys)))
+        high = max(max(xs), max(ys))
+        ax.plot(
+            [low, high], [low, high], color="black", linewidth=0.8, label="predicted = observed"
+        )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("observed TTFT at the EPP (ms, virtual)")
+        ax.set_ylabel("predicted at the pick (ms)")
+        ax.set_title(name, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "ttft_predicted_vs_observed.png", dpi=110)
+    plt.close(fig)
+    return "ttft_predicted_vs_observed.png"
+
+
 def write_outputs(document: dict[str, Any], out: Path) -> list[str]:
     import json
 
     out.mkdir(parents=True, exist_ok=True)
     plots = [plot_ttft_cdf(document, out), plot_hit_rate(document, out), plot_load(document, out)]
+    predictions = plot_predictions(document, out)
+    if predictions is not None:
+        plots.append(predictions)
     slim = {
         **document,
         "policies": {
@@ -174,4 +229,4 @@ def write_outputs(document: dict[str, Any], out: Path) -> list[str]:
 
 def _slim(run: dict[str, Any]) -> dict[str, Any]:
     """A run as results.json keeps it: without the raw TTFTs and picks (plots have them)."""
-    return {k: v for k, v in run.items() if k not in ("ttfts_s", "picks")}
+    return {k: v for k, v in run.items() if k not in ("ttfts_s", "picks", "ttft_predictions")}

@@ -44,11 +44,11 @@ from bench.lab.workload import (
 from bench.provenance import provenance
 from bench.runner import PodCounters, resolve_policy, summarize
 from bench.stack import ROOT
-from bench.stats import ci95
+from bench.stats import ci95, percentile
 from bench.workloads import Words, WorkloadSpec, answer_ids, load_words
 from epp.clock import VirtualClock
 from epp.scheduling.registry import PluginRegistry
-from epp.scheduling.types import Usage
+from epp.scheduling.types import TTFT_OBSERVED, Usage
 from sim.engine import EngineConfig, EngineRequest, TokenOutput
 from sim.kv_cache import TokenSequence
 from sim.kv_events import KVEvent
@@ -72,7 +72,11 @@ MEAN_KEYS = (
     "preemptions",
     "duration_s",
     "wall_s",
+    "ttft_prediction_error_p50",
+    "ttft_prediction_error_p90",
+    "ttft_prediction_bias_p50",
 )
+PREDICTION_KEYS = MEAN_KEYS[-3:]
 
 
 class Router(Protocol):
@@ -80,6 +84,9 @@ class Router(Protocol):
 
     # What the router's path adds before the last request routed reaches its pod.
     route_delay_s: float
+    # (predicted, observed) TTFT in seconds, pick to first chunk, of each request
+    # whose policy predicted one (predicted-TTFT configs); empty for the others.
+    ttft_predictions: list[tuple[float, float]]
 
     @property
     def wants_events(self) -> bool: ...
@@ -114,6 +121,7 @@ class EppRouter:
             raise ValueError("an EPP router needs at least one replica")
         self.replicas = list(replicas)
         self.route_delay_s = replicas[0].delays.route_s
+        self.ttft_predictions: list[tuple[float, float]] = []
         self._next = 0
 
     @property
@@ -141,6 +149,9 @@ class EppRouter:
         # chunk as the client does.
         epp, decision = handle
         epp.first_chunk(decision)
+        observed = decision.cycle.get(TTFT_OBSERVED)
+        if observed is not None:
+            self.ttft_predictions.append((observed.predicted_s, observed.observed_s))
 
     def end(self, handle: Any, usage: Usage | None, completed: bool) -> None:
         epp, decision = handle
@@ -365,7 +376,24 @@ def run_once(
     )
     result["ttfts_s"] = sorted(r.ttft_s for r in run.records if r.ok and r.ttft_s is not None)
     result["picks"] = run.picks
+    result.update(prediction_error(router.ttft_predictions))
+    result["ttft_predictions"] = router.ttft_predictions
     return result
+
+
+def prediction_error(pairs: Sequence[tuple[float, float]]) -> dict[str, float | None]:
+    """How far a policy's TTFT predictions were from what it then observed: the
+    median and p90 of |predicted - observed| / observed, and the median of the
+    signed ratio predicted / observed - 1 (its bias); None without predictions."""
+    if not pairs:
+        return dict.fromkeys(PREDICTION_KEYS)
+    absolute = [abs(p - o) / o for p, o in pairs if o > 0]
+    signed = [p / o - 1.0 for p, o in pairs if o > 0]
+    return {
+        "ttft_prediction_error_p50": percentile(absolute, 0.5),
+        "ttft_prediction_error_p90": percentile(absolute, 0.9),
+        "ttft_prediction_bias_p50": percentile(signed, 0.5),
+    }
 
 
 def over_seeds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

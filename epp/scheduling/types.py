@@ -60,6 +60,22 @@ PRIORITY: StateKey[int] = StateKey("priority")
 0 without one. Negative priorities are sheddable."""
 
 
+@dataclass(frozen=True, slots=True)
+class TtftObservation:
+    """A predicted time to first token, set beside the one observed (pick to the
+    first response chunk, as the EPP saw it), for the routed endpoint."""
+
+    endpoint: str
+    predicted_s: float
+    observed_s: float
+
+
+TTFT_OBSERVED: StateKey[TtftObservation] = StateKey("ttft-observed")
+"""Left by a plugin that predicts TTFT when the request's first response chunk
+arrives: what it predicted at the pick and what it then saw. Read by whoever
+studies the predictions (the routing lab); nothing in the pick depends on it."""
+
+
 EXPLAIN_NOTES: StateKey[dict[str, dict[str, Any]]] = StateKey("explain-notes")
 """Facts a plugin wants /debug/explain to show about its part in a pick, by plugin
 name (see `explain_note`)."""

@@ -25,7 +25,15 @@ from epp.config import InvalidConfig
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.errors import BadRequest, Shed
 from epp.requests import InferenceRequest, parse_request
-from epp.scheduling import EXPLAIN_NOTES, PRIORITY, CycleState, PluginContext, ResponseInfo
+from epp.scheduling import (
+    EXPLAIN_NOTES,
+    PRIORITY,
+    TTFT_OBSERVED,
+    CycleState,
+    PluginContext,
+    ResponseInfo,
+    TtftObservation,
+)
 from tests.plugins.helpers import context, make_endpoints
 from tests.plugins.llmd_helpers import load, one_plugin_config, request, routed, with_match
 
@@ -91,6 +99,17 @@ def _observe(fleet: Fleet, endpoint: Endpoint, elapsed: float, matched: float = 
     fleet.producer.response_first_chunk(req, cycle, result, elapsed)
     fleet.producer.post_response(req, cycle, result, DONE)
     return predicted
+
+
+def test_the_first_chunk_leaves_the_prediction_beside_the_observed_ttft() -> None:
+    fleet = Fleet()
+    (pod,) = make_endpoints(1)
+    req, cycle = fleet.route(pod)
+    assert cycle.get(TTFT_OBSERVED) is None  # nothing observed before the first chunk
+    predicted = fleet.seconds(cycle, pod)
+    fleet.clock.advance(0.04)
+    fleet.producer.response_first_chunk(req, cycle, routed(("default", pod)), 0.04)
+    assert cycle.get(TTFT_OBSERVED) == TtftObservation(pod.name, predicted, 0.04)
 
 
 def test_a_pod_holding_the_prefix_is_predicted_faster_than_one_without() -> None:

@@ -158,3 +158,28 @@ def test_epp_replicas_each_keep_their_own_state(tmp_path: Path, qwen_words: Word
     # less than one EPP does. The precise indexes all follow every pod's KV events.
     assert four["policies"]["default"]["hit_rate"] < one["policies"]["default"]["hit_rate"]
     assert four["policies"]["precise-prefix"]["hit_rate"] > four["policies"]["default"]["hit_rate"]
+
+
+def test_predictions_are_set_beside_what_the_epp_then_observed(
+    tmp_path: Path, qwen_words: Words
+) -> None:
+    document = run_lab(options(tmp_path / "p", ("predicted-ttft", "round-robin"), seeds=(0,)))
+    predicted = document["policies"]["predicted-ttft"]
+    (run,) = predicted["runs"]
+    pairs = run["ttft_predictions"]
+    assert len(pairs) == 32  # one per request, each with its first chunk
+    assert all(p > 0 and o > 0 for p, o in pairs)
+    errors = sorted(abs(p - o) / o for p, o in pairs)
+    assert predicted["ttft_prediction_error_p50"] == pytest.approx((errors[15] + errors[16]) / 2)
+    assert predicted["ttft_prediction_error_p90"] >= predicted["ttft_prediction_error_p50"]
+    # Round-robin predicts nothing: no figures, no plot panel.
+    assert document["policies"]["round-robin"]["ttft_prediction_error_p50"] is None
+    assert document["policies"]["round-robin"]["runs"][0]["ttft_predictions"] == []
+    assert (tmp_path / "p" / "ttft_predicted_vs_observed.png").stat().st_size > 1000
+    report = (tmp_path / "p" / "report.md").read_text()
+    assert "- predicted-ttft: error p50 " in report
+    assert "round-robin: error" not in report
+    # results.json keeps the figures, not the pairs.
+    saved = json.loads((tmp_path / "p" / "results.json").read_text())
+    assert "ttft_predictions" not in saved["policies"]["predicted-ttft"]["runs"][0]
+    assert saved["policies"]["predicted-ttft"]["ttft_prediction_error_p50"] is not None
