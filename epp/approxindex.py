@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Final
 
 import xxhash
@@ -39,6 +39,8 @@ from epp.datastore import Endpoint
 from epp.requests import ChatPrompt, CompletionPrompt, InferenceRequest, Message, ResponsesPrompt
 
 DEFAULT_CHARS_PER_TOKEN: Final = 4.0
+# Prompt ends remembered for `continues` (8 bytes of hash and a dict entry each).
+MAX_PROMPT_ENDS: Final = 65_536
 
 # Separators that cannot appear in JSON text unescaped, so message boundaries and
 # roles cannot be forged by message content.
@@ -92,7 +94,7 @@ def _token_bytes(ids: Sequence[int]) -> bytes:
 class PromptBlocks:
     """A prompt's chained block hashes, computed on demand."""
 
-    __slots__ = ("_data", "_hashes", "_seed", "_step", "total", "uncapped")
+    __slots__ = ("_data", "_hashes", "_seed", "_step", "full", "total", "uncapped")
 
     def __init__(self, data: str | Sequence[int], step: int, seed: int, max_blocks: int) -> None:
         """`step`: characters (text) or ids (token ids) per block; `max_blocks` 0:
@@ -101,6 +103,8 @@ class PromptBlocks:
         blocks = math.ceil(len(data) / step) if data else 0
         self.uncapped = blocks
         self.total = min(blocks, max_blocks) if max_blocks > 0 else blocks
+        # Whole blocks within the cap (the last, partial block is hashed too).
+        self.full = min(len(data) // step, self.total)
         self._data = data
         self._step = step
         self._hashes: list[int] = []
@@ -178,6 +182,9 @@ class ApproxPrefixIndex:
         self._owners: dict[int, Endpoint | set[Endpoint]] = {}
         self.evictions = 0
         self._size = 0
+        # The last whole block of each prompt recorded, most recent last: a later
+        # prompt whose match ends on one of them continues that prompt.
+        self._ends: OrderedDict[int, None] = OrderedDict()
 
     @property
     def size(self) -> int:
@@ -238,6 +245,25 @@ class ApproxPrefixIndex:
             old, _ = lru.popitem(last=False)
             self._disown(old, endpoint)
             self.evictions += 1
+
+    def mark_end(self, blocks: PromptBlocks) -> None:
+        """Remember where `blocks` (a recorded prompt) ends, if it ends within the
+        cap: a prompt cut by the cap has no end here to continue."""
+        if blocks.full < 1 or blocks.total < blocks.uncapped:
+            return
+        ends = self._ends
+        end = blocks.hash(blocks.full - 1)
+        ends[end] = None
+        ends.move_to_end(end)
+        if len(ends) > MAX_PROMPT_ENDS:
+            ends.popitem(last=False)
+
+    def continues(self, blocks: PromptBlocks, matched: Mapping[Endpoint, int]) -> bool:
+        """Whether the prompt's longest match ends exactly where an earlier recorded
+        prompt ended: the prompt is that one plus more (a conversation's next turn,
+        an agent's next step), not only a prefix shared with others."""
+        deepest = max(matched.values(), default=0)
+        return 0 < deepest <= blocks.full and blocks.hash(deepest - 1) in self._ends
 
     def remove(self, endpoint: Endpoint) -> None:
         """Forget everything about an endpoint (it left the pool)."""

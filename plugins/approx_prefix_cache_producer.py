@@ -174,7 +174,13 @@ class ApproxPrefixMatcher:
                 },
             )
             matched = self.index.match(blocks, endpoints)
-            info = PrefixMatchInfo(blocks.total, block_size, matched, blocks.uncapped)
+            info = PrefixMatchInfo(
+                blocks.total,
+                block_size,
+                matched,
+                blocks.uncapped,
+                continues=self.index.continues(blocks, matched),
+            )
             cycle.put(self._blocks, blocks)
         cycle.put(self.key, info)
         return info
@@ -196,6 +202,7 @@ class ApproxPrefixMatcher:
             capacity = chosen.metrics.num_gpu_blocks
         before = self.index.evictions
         self.index.add(chosen, blocks.all(), capacity)
+        self.index.mark_end(blocks)
         if self.index.evictions > before:
             self._evictions.inc(self.index.evictions - before)
         self._ratio.observe(info.ratio(chosen))

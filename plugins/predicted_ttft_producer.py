@@ -78,6 +78,8 @@ from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pa
 
 log = logging.getLogger(__name__)
 
+CONTINUING_RATE: Final = 1 / 64
+
 DEFAULT_PRODUCER: Final = "predicted-ttft-producer"
 DEFAULT_PREFIX_PRODUCER: Final = "approx-prefix-cache-producer"
 MIN_POD_FACTOR: Final = 0.25
@@ -162,6 +164,17 @@ class TtftPredictions:
         """Uncached prompt tokens of the requests this EPP has on `endpoint`."""
         return self._producer.tokens_in_flight(endpoint)
 
+    @property
+    def continues(self) -> bool:
+        """The prompt continues an earlier one (its prefix producer says so)."""
+        info = self._cycle.get(self._producer.prefix_key)
+        return info is not None and info.continues
+
+    @property
+    def continuing_share(self) -> float:
+        """The share of this EPP's recent requests that continued an earlier prompt."""
+        return self._producer.continuing_share
+
     def predict(self, endpoint: Endpoint) -> TtftPrediction:
         found = self._cache.get(endpoint)
         if found is None:
@@ -190,6 +203,11 @@ class PredictedTtftProducer:
         self._pods: dict[Endpoint, _Pod] = {}
         self._charge: StateKey[_Charge] = StateKey(f"predicted-ttft-charge/{context.name}")
         self._warned_no_prefix = False
+        # Moving average (over about 64 requests) of requests continuing an earlier
+        # prompt: near 0 for independent prompts over shared prefixes, near
+        # (turns - 1) / turns for conversations. It starts at 0: a cold EPP picks
+        # greedily until sessions show.
+        self.continuing_share = 0.0
         context.datastore.add_listener(self._membership)
         registry = context.metrics
         self._error = shared(
@@ -295,6 +313,11 @@ class PredictedTtftProducer:
         if predictions is None or not result.targets:
             return
         endpoint = result.targets[0]
+        info = cycle.get(self.prefix_key)
+        if info is not None and info.total_blocks > 0:
+            self.continuing_share += CONTINUING_RATE * (
+                float(info.continues) - self.continuing_share
+            )
         prediction = predictions.predict(endpoint)
         pod = self._pod(endpoint)
         # The request's own prefill joins the pod's queue: what later requests wait for.

@@ -20,6 +20,15 @@ Equal ranks score equal, and the picker draws among them. The tied pods score in
 the tie is `newPrefixTolerance` (1.0) wide: where a new prompt group lands, its
 followers go, so balance is worth more than a few milliseconds now.
 
+Sessions: where requests continue earlier prompts (the prefix producer's
+`continues`; the producer's `continuing_share`, e.g. 5/6 for six-turn
+conversations), a new session's later turns will follow it to the pod it gets
+now. Its predictions are then charged share / (1 - share) turns to come, each
+about its own prefill for every request the pod has in flight above the fleet's
+mean (credited below it): the greedy choice, the holder of a system prompt every
+conversation shares, would pile the conversations onto few pods for their whole
+length. Where no request continues another, nothing changes.
+
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
 best is logged at debug level. Without the producer's data every endpoint
@@ -45,6 +54,9 @@ log = logging.getLogger(__name__)
 # Below this a prediction counts as this (a division guard: no TTFT is shorter).
 _FLOOR_S = 1e-4
 _TIE_FLOOR_S = 1e-3
+# Turns to come are counted up to 19 (a share of 0.95): one stray estimate cannot
+# make load all that matters.
+_MAX_SHARE = 0.95
 
 
 def _uncached_tenths(p: TtftPrediction) -> int:
@@ -87,6 +99,21 @@ class PredictedTtftScorer:
         seconds = {e: max(_FLOOR_S, predictions.predict(e).seconds) for e in endpoints}
         if not seconds:
             return {}
+        share = min(predictions.continuing_share, _MAX_SHARE)
+        if share > 0.0 and not predictions.continues:
+            # A new session, where requests continue earlier ones: its later turns
+            # will follow it to the pod it gets now (their history is there), each
+            # waiting behind the turns of the sessions already on that pod. So the
+            # pick is charged, per turn to come (share / (1 - share) of them,
+            # geometrically), about this turn's own prefill for each request the pod
+            # has in flight above the fleet's mean, and credited as much below it.
+            turns = share / (1.0 - share)
+            loads = {e: predictions.requests_in_flight(e) for e in endpoints}
+            mean = sum(loads.values()) / len(loads)
+            work = min(predictions.predict(e).own_work_s for e in endpoints)
+            seconds = {
+                e: max(_FLOOR_S, s + turns * (loads[e] - mean) * work) for e, s in seconds.items()
+            }
         best = min(seconds.values())
         explain_note(
             cycle,
@@ -108,11 +135,11 @@ class PredictedTtftScorer:
         # others below 0.9 in order of prediction. Equal keys score equal: the
         # picker draws among them.
         tolerance = self.tie_tolerance
+        tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
+        crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         if all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
         near = best * (1.0 + tolerance) + _TIE_FLOOR_S
-        tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
-        crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         keys = {
             e: (
                 _uncached_tenths(predictions.predict(e)) if tokens[e] <= crowded else 10,

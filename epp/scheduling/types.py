@@ -160,6 +160,10 @@ class PrefixMatchInfo:
     # The prompt's blocks before the producer's cap (`total_blocks` counts only the
     # first ones, those it matched); None when it is `total_blocks`.
     prompt_blocks: int | None = None
+    # The prompt is a whole earlier prompt plus more (a conversation's next turn):
+    # its longest match ends where an earlier request's prompt ended. False when
+    # the producer cannot tell.
+    continues: bool = False
 
     def prompt_tokens(self) -> int:
         """The prompt's length, in the producer's tokens, to the block."""

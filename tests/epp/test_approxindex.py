@@ -148,3 +148,40 @@ def test_hashing_stops_where_no_candidate_can_match() -> None:
     assert blocks.total == 200
     index.match(blocks, [a])
     assert len(blocks._hashes) == 1  # the first block matched nobody
+
+
+def test_a_prompt_that_extends_a_whole_earlier_prompt_continues_it() -> None:
+    a, b = make_endpoints(2)
+    index = ApproxPrefixIndex()
+    system = "s" * 64  # 4 blocks of 16 characters, shared by every prompt below
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "q" * 40}]
+    first = blocks_of({"model": "m", "messages": chat}, "/v1/chat/completions")
+    index.add(a, first.all(), 1000)
+    index.mark_end(first)
+    # The next turn: the whole first prompt, the answer, a new question.
+    turn = [*chat, {"role": "assistant", "content": "r" * 40}, {"role": "user", "content": "w"}]
+    second = blocks_of({"model": "m", "messages": turn}, "/v1/chat/completions")
+    matched = index.match(second, [a, b])
+    assert matched == {a: first.full}
+    assert index.continues(second, matched)
+    # Another conversation over the same system prompt shares a prefix only.
+    other = [{"role": "system", "content": system}, {"role": "user", "content": "z" * 40}]
+    third = blocks_of({"model": "m", "messages": other}, "/v1/chat/completions")
+    matched = index.match(third, [a, b])
+    assert 0 < matched[a] < first.full
+    assert not index.continues(third, matched)
+    # Nothing matched: nothing continued.
+    assert not index.continues(blocks_of({"model": "m", "prompt": "n" * 80}), {})
+
+
+def test_a_prompt_cut_by_the_cap_marks_no_end() -> None:
+    (a,) = make_endpoints(1)
+    index = ApproxPrefixIndex()
+    capped = blocks_of({"model": "m", "prompt": "x" * 400}, max_blocks=5)
+    index.add(a, capped.all(), 1000)
+    index.mark_end(capped)
+    longer = blocks_of({"model": "m", "prompt": "x" * 800}, max_blocks=5)
+    matched = index.match(longer, [a])
+    assert matched == {a: 5}
+    # Both are cut at block 5: the second is not known to extend the first.
+    assert not index.continues(longer, matched)

@@ -31,8 +31,10 @@ from epp.scheduling import (
     TTFT_OBSERVED,
     CycleState,
     PluginContext,
+    PrefixMatchInfo,
     ResponseInfo,
     TtftObservation,
+    prefix_match_key,
 )
 from tests.plugins.helpers import context, make_endpoints
 from tests.plugins.llmd_helpers import load, one_plugin_config, request, routed, with_match
@@ -225,6 +227,47 @@ def test_near_ties_go_to_the_holder_of_the_prefix_unless_it_is_crowded() -> None
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
     assert scores[b] == 1.0
     assert scores[a] < scores[b]  # crowded: more than 1.5 x the mean in flight
+
+
+def _continuing(fleet: Fleet, endpoint: Endpoint, count: int) -> None:
+    """`count` requests that each continue an earlier prompt, routed to `endpoint`
+    and finished."""
+    for _ in range(count):
+        req = request(PROMPT)
+        cycle = CycleState()
+        info = PrefixMatchInfo(100, 40, {endpoint: 90.0}, continues=True)
+        cycle.put(prefix_match_key("approx-prefix-cache-producer"), info)
+        asyncio.run(fleet.producer.prepare(req, cycle, []))
+        result = routed(("default", endpoint))
+        fleet.producer.pre_request(req, cycle, result)
+        fleet.producer.post_response(req, cycle, result, DONE)
+
+
+def test_where_requests_continue_earlier_ones_a_new_session_spreads() -> None:
+    fleet = Fleet()
+    a, b = make_endpoints(2)
+    # a holds the system prompt every conversation shares (80 of 100 blocks) and
+    # has three conversations in flight; b holds nothing and is idle.
+    for _ in range(3):
+        req, started = fleet.route(a, {a: 80.0})
+        fleet.producer.response_first_chunk(req, started, routed(("default", a)), 0.05)
+    _, cycle = fleet.cycle({a: 80.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[a] == 1.0 > 0.9 > scores[b]  # no sessions seen: the holder, greedily
+    assert fleet.producer.continuing_share == 0.0
+    # Then the traffic turns out to be conversations: most requests continue one.
+    _continuing(fleet, b, 200)
+    assert fleet.producer.continuing_share > 0.9
+    _, cycle = fleet.cycle({a: 80.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[b] == 1.0 > 0.9 > scores[a]  # a new one goes where its turns wait least
+    # A conversation's next turn is not charged: it stays where its history is.
+    cycle = CycleState()
+    info = PrefixMatchInfo(100, 40, {a: 95.0}, continues=True)
+    cycle.put(prefix_match_key("approx-prefix-cache-producer"), info)
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[a] == 1.0 > 0.9 > scores[b]
 
 
 def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:

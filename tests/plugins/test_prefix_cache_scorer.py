@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from epp.datastore import Datastore, EndpointMetrics, EndpointSpec
 from epp.requests import InferenceRequest, parse_request
-from epp.scheduling import CycleState, PluginContext, SchedulingResult
+from epp.scheduling import CycleState, PluginContext, SchedulingResult, prefix_match_key
 from epp.scheduling.types import ProfileResult, ScoredEndpoint
 from tests.plugins.helpers import make_endpoints
 
@@ -156,6 +156,33 @@ async def test_the_scorer_reads_the_named_producers_match() -> None:
     # The scorer keeps no index and learns nothing.
     scorer.pre_request(request(half), cycle, routed(b))
     assert source.matcher.index.blocks_of(b) == 0
+
+
+async def test_the_producer_tells_a_prompt_that_continues_an_earlier_one() -> None:
+    source = producer(autoTune=False)  # blocks of 256 characters
+    key = prefix_match_key("approx")
+    a, b = make_endpoints(2)
+    first = "s" * 600 + "q" * 300  # a shared part, then this session's own
+    cycle = CycleState()
+    await source.prepare(request(first), cycle, [a, b])
+    info = cycle.get(key)
+    assert info is not None
+    assert not info.continues  # nothing before it
+    source.pre_request(request(first), cycle, routed(a))
+    # The next turn: the whole first prompt and more.
+    cycle = CycleState()
+    await source.prepare(request(first + "a" * 300 + "w" * 100), cycle, [a, b])
+    info = cycle.get(key)
+    assert info is not None
+    assert info.continues
+    assert info.matched == {a: 3}
+    # Another session over the same shared part only shares a prefix.
+    cycle = CycleState()
+    await source.prepare(request("s" * 600 + "z" * 300), cycle, [a, b])
+    info = cycle.get(key)
+    assert info is not None
+    assert not info.continues
+    assert info.matched == {a: 2}
 
 
 async def test_the_match_length_weight_rewards_long_matches() -> None:
