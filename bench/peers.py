@@ -38,6 +38,7 @@ worker's response headers through, `x-sim-pod` included.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def _ready_workers(url: str) -> int:
     try:
         with urllib.request.urlopen(url + "/readiness", timeout=1.0) as response:
             body = json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return -1
     if not isinstance(body, dict):
         return -1

@@ -9,6 +9,7 @@ their ports).
 from __future__ import annotations
 
 import copy
+import http.client
 import os
 import shutil
 import signal
@@ -133,7 +134,9 @@ class ManagedProcess:
                 with urllib.request.urlopen(url, timeout=1.0) as response:
                     if response.status == 200:
                         return
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
+                # Not up yet; an HTTPException when the poll connected to itself
+                # (sim/fleet.py `_healthy` says how).
                 pass
             time.sleep(0.05)
         raise ProcessFailed(

@@ -100,6 +100,7 @@ class PredictedTtftScorer:
         if not seconds:
             return {}
         share = min(predictions.continuing_share, _MAX_SHARE)
+        charges: dict[Endpoint, float] = {}
         if share > 0.0 and not predictions.continues:
             # A new session, where requests continue earlier ones: its later turns
             # will follow it to the pod it gets now (their history is there), each
@@ -111,14 +112,20 @@ class PredictedTtftScorer:
             loads = {e: predictions.requests_in_flight(e) for e in endpoints}
             mean = sum(loads.values()) / len(loads)
             work = min(predictions.predict(e).own_work_s for e in endpoints)
-            seconds = {
-                e: max(_FLOOR_S, s + turns * (loads[e] - mean) * work) for e, s in seconds.items()
-            }
+            charges = {e: turns * (loads[e] - mean) * work for e in endpoints}
+            seconds = {e: max(_FLOOR_S, s + charges[e]) for e, s in seconds.items()}
         best = min(seconds.values())
         explain_note(
             cycle,
             self.name,
-            {e.name: predictions.predict(e).describe() for e in endpoints},
+            {
+                e.name: {
+                    **predictions.predict(e).describe(),
+                    "continuingShare": round(predictions.continuing_share, 3),
+                    "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
+                }
+                for e in endpoints
+            },
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

@@ -16,6 +16,7 @@ period). If a pod dies, the fleet stops the others and exits non-zero.
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -111,7 +112,11 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as response:
             return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        # HTTPException too: polling a port nobody listens on yet can connect the
+        # client to itself (a TCP simultaneous open, when the kernel picks the
+        # target port as the ephemeral source port), and then the "response" is
+        # the request itself, a bad status line.
         return False
 
 

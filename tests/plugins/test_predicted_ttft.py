@@ -261,6 +261,13 @@ def test_where_requests_continue_earlier_ones_a_new_session_spreads() -> None:
     _, cycle = fleet.cycle({a: 80.0})
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
     assert scores[b] == 1.0 > 0.9 > scores[a]  # a new one goes where its turns wait least
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = notes["predicted-ttft-scorer"]
+    assert explained["ep-0"]["continuingShare"] > 0.9
+    # Three in flight on a, none on b: a is charged what b is credited.
+    assert explained["ep-0"]["sessionChargeMs"] > 0
+    assert explained["ep-0"]["sessionChargeMs"] == -explained["ep-1"]["sessionChargeMs"]
     # A conversation's next turn is not charged: it stays where its history is.
     cycle = CycleState()
     info = PrefixMatchInfo(100, 40, {a: 95.0}, continues=True)

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from sim.cli import fleet_main
-from sim.fleet import endpoints_document, plan_fleet
+from sim.fleet import _healthy, endpoints_document, plan_fleet
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,3 +131,23 @@ def test_real_fleet(tmp_path: Path) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
             s.listen()
+
+
+def test_a_health_poll_that_gets_no_http_back_is_not_healthy_yet() -> None:
+    # What a poll that connected to itself reads: its own request line. A pod still
+    # starting must read as "not yet", not end the fleet.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+
+        def echo_request_line() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+
+        thread = threading.Thread(target=echo_request_line)
+        thread.start()
+        assert _healthy(f"http://127.0.0.1:{port}/health") is False
+        thread.join(5)
