@@ -81,7 +81,6 @@ DEFAULT_CONFIG = {
             "name": PREFIX_PLUGIN,
             "parameters": {
                 "blockSize": 16,
-                "hashSeed": "0",
                 "speculativeIndexing": True,
                 "speculativeTTL": "2s",
             },
@@ -216,9 +215,12 @@ async def _digests(
 ) -> dict[str, Any] | None:
     """Each pod's engine digest and every replica's index digest of it; None until
     every replica's index holds exactly each engine's cached blocks."""
+    # The EPP's digest XORs the low 60 bits of the engine's hashes (all its index
+    # keeps of them): the engine's 64-bit digest, masked alike, is comparable.
     truth = {
-        name: (await fetch_json(session, f"http://{pod.address}/sim/state"))["cachedBlocksDigest"]
+        name: f"{int(state['cachedBlocksDigest'], 16) & ((1 << 60) - 1):016x}"
         for name, pod in pods.pods.items()
+        for state in [await fetch_json(session, f"http://{pod.address}/sim/state")]
     }
     seen: dict[str, list[str]] = {name: [] for name in truth}
     for url in admin_urls:

@@ -9,7 +9,8 @@ docs/routing.md):
   tokenizing such a prompt takes by itself;
 - KV-event ingestion: vLLM-format payloads (16-block BlockStored events with their
   tokens, and removals) decoded and applied, in blocks per second on one core;
-- index memory per (block, pod) entry at 1,000,000 entries (tracemalloc);
+- index memory per (block, pod) entry at 1,000,000 entries, filled through the
+  ingestion (the index and the engine-hash maps; tracemalloc and RSS);
 - (c) the picks of shipped configs side by side (`--configs`, default
   `default,predicted-ttft`), every hook of a routed request included.
 
@@ -47,7 +48,7 @@ from epp.config import load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.kvindex.alignment import AlignmentChecker
-from epp.kvindex.events import decode_batch
+from epp.kvindex.events import HASH_MASK, BlockStored, EventBatch, decode_batch
 from epp.kvindex.hashing import EngineHasher
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
@@ -172,7 +173,6 @@ _CONFIG = yaml.safe_dump(
                 "name": "prefix",
                 "parameters": {
                     "blockSize": 16,
-                    "hashSeed": "0",
                     "speculativeIndexing": True,
                     "tokenizers": [{"model": "*", "path": str(QWEN)}],
                 },
@@ -405,11 +405,10 @@ async def measure_ingestion(batches: int) -> dict[str, Any]:
     payloads, blocks = _ingest_payloads(EngineHasher("sha256", "0", 16), rng, batches)
     out: dict[str, Any] = {"batches": batches, "blocks": blocks}
     for name, check in (("alignment_check_on", True), ("alignment_check_off", False)):
-        hasher = EngineHasher("sha256", "0", 16)
         precise = PreciseIndex(
             PrefixIndex(10_000_000, {"gpu": 1.0, "cpu": 0.8}),
-            hasher,
-            AlignmentChecker(hasher) if check else None,
+            16,
+            AlignmentChecker(16, clock=time.monotonic) if check else None,
             None,
         )
         datastore = Datastore()
@@ -485,36 +484,57 @@ def _rss_bytes() -> int:
 
 
 def memory_worker(entries: int, holders: int, mode: str, pods: int = 16) -> dict[str, Any]:
-    """Fill a fresh index with `entries` (block, pod) entries, each block held by
-    `holders` pods, and measure what it costs: by tracemalloc (the bytes Python asked
-    for) or by the growth of the resident set (what the process really holds,
-    allocator rounding included). Block keys are random 64-bit ints, created inside
-    the measurement like the decoded events' are; the index keeps them alive."""
+    """Fill a fresh index with `entries` (block, pod) entries through the KV-event
+    ingestion (16-block BlockStored events with their tokens, each applied to
+    `holders` pods' streams), and measure what it costs: by tracemalloc (the bytes
+    Python asked for) or by the growth of the resident set (what the process really
+    holds, allocator rounding included). Everything the ingestion keeps counts: the
+    index entries and each stream's engine-hash map. Engine hashes are random ints
+    created inside the measurement, like the decoded events' are.
+
+    With tracemalloc, the maps are then dropped and what that frees is reported
+    (`map_bytes_per_entry`, per map entry): what one map shared by the pods would
+    save is that figure times the entries it would not need (holders - 1 of every
+    `holders`)."""
     rng = random.Random(11)
+    datastore = Datastore()
+    datastore.replace_all(EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000") for i in range(pods))
+    endpoints = datastore.all_endpoints()
     gc.collect()
     if mode == "tracemalloc":
         tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0] if mode == "tracemalloc" else _rss_bytes()
     index = PrefixIndex(entries * 2, {"gpu": 1.0, "cpu": 0.8})
-    slots = [index.new_slot() for _ in range(pods)]
-    gpu = index.tier("gpu")
-    assert gpu is not None
-    chunk = 1024
-    for n in range(0, entries // holders, chunk):
-        part = [rng.getrandbits(64) for _ in range(chunk)]
+    precise = PreciseIndex(index, 16, None, None)
+    streams = [precise.add_stream(e, 0) for e in endpoints]
+    per_event = 16
+    for n in range(0, entries // holders, per_event):
+        # As the decoder hands them over: an engine hash's low 60 bits.
+        hashes = [rng.getrandbits(64) & HASH_MASK for _ in range(per_event)]
+        tokens = [rng.getrandbits(17) for _ in range(per_event * 16)]
+        batch = EventBatch(0.0, [BlockStored(hashes, None, tokens, 16, "gpu")])
+        del hashes, tokens
         for h in range(holders):
-            index.store(slots[(n // chunk + h * 5) % pods], gpu, part)
-        del part
+            streams[(n // 1024 + h * 5) % pods].apply(batch)
+        del batch
     gc.collect()
     after = tracemalloc.get_traced_memory()[0] if mode == "tracemalloc" else _rss_bytes()
-    if mode == "tracemalloc":
-        tracemalloc.stop()
-    return {
+    map_entries = sum(len(s.engine_keys) for s in streams)
+    out = {
         "entries": index.stats.entries,
-        "keys": len(gpu.blocks),
+        "keys": index.physical_keys(),
+        "map_entries": map_entries,
         "bytes": after - before,
         "bytes_per_entry": (after - before) / index.stats.entries,
     }
+    if mode == "tracemalloc":
+        for stream in streams:
+            stream.engine_keys = {}
+        gc.collect()
+        freed = after - tracemalloc.get_traced_memory()[0]
+        out["map_bytes_per_entry"] = freed / max(1, map_entries)
+        tracemalloc.stop()
+    return out
 
 
 def measure_memory(entries: int) -> dict[str, Any]:

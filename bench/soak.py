@@ -111,7 +111,6 @@ def soak_config(max_index_entries: int) -> dict[str, Any]:
                 "name": "prefix",
                 "parameters": {
                     "blockSize": 16,
-                    "hashSeed": "0",
                     "speculativeIndexing": True,
                     "maxIndexEntries": max_index_entries,
                 },

@@ -5,21 +5,23 @@ One plugin, three extension points (llm-d's precise prefix-cache scorer):
 
 - **DataProducer** (`prepare`, async): tokenize the prompt as the engine will
   (chat template, tokenizer; off the event loop when long), then walk its blocks
-  over the index, hashing each block with the engine's own algorithm only as far
-  as some candidate still holds the prefix;
+  over the index, keying each block as the index keys the engines' events (its
+  token ids, chained; no engine hash settings) only as far as some candidate
+  still holds the prefix;
 - **Scorer**: matched consecutive prefix blocks / the prompt's full blocks (at
   most `maxPrefixBlocksToMatch`: only a long prompt's first blocks count, as
   /debug/explain's `notes` say), weighted by medium (GPU 1.0, CPU 0.8 by
   default), in [0, 1]. A pod whose KV
-  events failed the alignment self-check scores 0 (not trusted), as do pods
-  without KV events, and every pod when the prompt cannot be hashed (no tokenizer,
-  images, a LoRA adapter whose path is unknown under vLLM >= 0.31);
-- **PreRequest** (`speculativeIndexing`): the chosen pod is recorded as holding
+  events are cut in blocks of another size than `blockSize` scores 0 (not
+  trusted), as do pods without KV events, and every pod when the prompt cannot be
+  keyed (no tokenizer, images);
+- **PreRequest**: with `speculativeIndexing`, the chosen pod is recorded as holding
   the prompt's blocks for `speculativeTTL`, so a burst of siblings sticks together
-  before the engine's events arrive.
+  before the engine's events arrive; one pick in `alignmentSampleEvery` is a
+  tokenization probe (the pod's events should bring the blocks predicted).
 
 The plugin only reads: the index, the KV-event subscriber (one ZMQ SUB per endpoint
-and DP rank, with replay), the tokenizers and the hashing belong to the precise
+and DP rank, with replay), the tokenizers and the block keys belong to the precise
 prefix service (epp/kvindex/service.py), which the server builds from this
 plugin's parameters, starts and stops. See docs/precise-prefix.md for the
 parameters and what is and is not possible.

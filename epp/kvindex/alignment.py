@@ -1,60 +1,79 @@
-"""The alignment self-check: do the EPP's block hashes agree with an engine's?
+"""The alignment self-check: do the EPP and an engine see the same blocks?
 
-The index is keyed by the engine's hashes and prompts are looked up by recomputing
-them, so the two must be computed alike: same algorithm, NONE_HASH seed, block size
-and extra-key format. When they differ nothing fails loudly by itself: lookups just
-never match (or, worse, match the wrong things after a partial change). So every
-stream's BlockStored events are checked against our own computation, from the
-event's `token_ids` and parent:
+The index is keyed by the EPP's own hash of the token ids the engines publish
+(`blockkeys`), so the engine's hash algorithm and seed no longer matter. What still
+must agree, and fails silently when it does not (lookups just never match):
 
-- the event's `block_size` is compared with ours on every event (free);
-- block hashes are recomputed for the first events of a stream (`warmup_blocks`),
-  then for one event in `sample_every`, at most `max_blocks` blocks each, which
-  keeps the cost (1.5 - 6 us per block) far below the ingestion budget;
-- an event whose chain starts after a block we never hashed (an unknown parent
-  digest), or whose extra keys we cannot rebuild (multimodal, an adapter with no
-  configured path under vLLM >= 0.31's format), is skipped as unverifiable.
+- **the block size**: the engine's `--block-size` and `blockSize`. Checked on every
+  BlockStored event (free). An event of another block size is not indexed (the
+  ingestion rejects it); the stream is marked misaligned, its pod scored 0 and the
+  log says which size to configure;
+- **the token ids**: `len(token_ids) == len(block_hashes) x block size`, every id a
+  uint32. The ingestion rejects other events (counted per reason);
+- **the tokenization**: the EPP tokenizes a request (chat template, tokenizer,
+  special tokens) to look it up, the engine to serve it; if the two disagree, the
+  events hold blocks no lookup ever computes. So one pick in `sample_every` is a
+  *probe*: the key of the prompt's block `min(full blocks, PROBE_BLOCKS) - 1` (a
+  key the lookup usually computed already) is expected in the chosen pod's
+  BlockStored events within `window_s`. A probe is confirmed when the pod already
+  held that block at pick time (the lookup matched it: both sides agree) or when
+  an event brings it in time. It is a miss only when it expires unconfirmed while
+  the pod's events were flowing (at least `min_events` BlockStored events with
+  tokens since the pick); a probe of a silent stream proves nothing and is
+  dropped. After `misses_to_flag` consecutive misses and no confirmation between
+  them, the stream is flagged: one log line, `tokenizationAgreement: false` in
+  /debug/endpoints. The flag does not change scores (if the tokenizations really
+  differ, the pod scores 0 anyway, as nothing matches); one later confirmation
+  clears it. Requests cut short, evicted at once, or queued past the window cost
+  one miss each, and a run of them is broken by any confirmed probe, so only a
+  pod that never shows a predicted block is flagged.
 
-On the first disagreement the stream is marked misaligned (the scorer then stops
-trusting that pod's precise score) and, when the event starts at block 0, the check
-tries the other algorithms, seeds and formats to name the likely cause.
+A probe is shared by the streams (data-parallel ranks) of the chosen endpoint: the
+rank that got the request confirms it for all. At most `max_pending` probes wait
+per stream (the oldest are dropped, not counted), and each costs a dict entry: the
+check stays cheap and bounded.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Final
 
-from epp.kvindex.events import BlockStored
-from epp.kvindex.hashing import (
-    DEFAULT_HASH_SEED,
-    EXTRA_KEYS_FORMATS,
-    HASH_ALGOS,
-    EngineHasher,
-    ExtraKeys,
-    ExtraKeysFormat,
-    HashContext,
-    key_of,
-)
-from epp.tokenization.tokens import token_bytes
+# The probe's block: the prompt's 4th (or last, if shorter) full block, a key the
+# lookup computed already unless no pod held the prompt's first blocks.
+PROBE_BLOCKS: Final = 4
 
-# Blocks hashed again per checked event, at most (the first ones of the event).
-WARMUP_MAX_BLOCKS: Final = 16
+
+@dataclass(slots=True)
+class Probe:
+    """A block key a pick predicts the chosen pod's events will bring; shared by
+    the endpoint's streams."""
+
+    key: int
+    deadline: float
+    confirmed: bool = False
 
 
 @dataclass
 class AlignmentState:
     """The check's state for one KV-event stream."""
 
-    events_seen: int = 0
-    checked_events: int = 0
-    checked_blocks: int = 0
-    unverifiable: int = 0
-    mismatches: int = 0
-    aligned: bool | None = None  # None: nothing checked yet
-    cause: str | None = None  # why it is misaligned, as far as can be told
+    events_seen: int = 0  # BlockStored events with tokens
+    checked_blocks: int = 0  # blocks whose token ids were checked
+    mismatches: int = 0  # events whose block size disagreed
+    aligned: bool | None = None  # None: nothing checked yet; False: block size differs
+    cause: str | None = None  # why it is misaligned
+    # The tokenization probes.
+    probes: int = 0
+    confirmed: int = 0
+    missed: int = 0
+    inconclusive: int = 0  # expired while the stream was silent, or dropped
+    consecutive_misses: int = 0
+    tokenization: bool | None = None  # None: nothing known; False: flagged
+    # key -> (the probe, the stream's BlockStored events with tokens when it was
+    # made: a miss needs events to have flowed since)
+    pending: dict[int, tuple[Probe, int]] = field(default_factory=dict)
 
     def reset(self) -> None:
         """The engine restarted (or the stream's index was cleared): check afresh."""
@@ -64,176 +83,109 @@ class AlignmentState:
 class AlignmentChecker:
     def __init__(
         self,
-        hasher: EngineHasher,
-        lora_paths: Mapping[str, str] | None = None,
-        warmup_blocks: int = 64,
+        block_size: int,
         sample_every: int = 32,
-        max_blocks: int = 2,
+        *,
+        clock: Callable[[], float],
+        window_s: float = 30.0,
+        min_events: int = 4,
+        misses_to_flag: int = 8,
+        max_pending: int = 16,
     ) -> None:
-        self.hasher = hasher
-        self.lora_paths = dict(lora_paths or {})
-        self.warmup_blocks = warmup_blocks
+        self.block_size = block_size
         self.sample_every = max(1, sample_every)
-        self.max_blocks = max(1, max_blocks)
+        self.clock = clock
+        self.window_s = window_s
+        self.min_events = min_events
+        self.misses_to_flag = max(1, misses_to_flag)
+        self.max_pending = max(1, max_pending)
+        self._picks = 0
 
-    def check(self, state: AlignmentState, event: BlockStored) -> bool | None:
-        """True: the blocks checked agree; False: they do not (the state says why);
-        None: nothing was checked."""
-        tokens = event.token_ids
-        if not tokens:
-            return None  # offloading connectors send CPU/storage blocks without tokens
-        hasher = self.hasher
-        n = len(event.block_hashes)
-        if event.block_size != hasher.block_size:
-            if event.block_size > 0 and len(tokens) == n * event.block_size:
-                self._mismatch(
-                    state,
-                    f"the engine's block size is {event.block_size}, the scorer's blockSize"
-                    f" is {hasher.block_size}",
-                )
-                return False
-            state.unverifiable += 1
-            return None
-        if len(tokens) != n * hasher.block_size:
-            state.unverifiable += 1
-            return None
-        if not _valid_token_ids(tokens):
-            # The wire format only promises a list: ids that are not uint32 cannot
-            # be hashed as the engine hashes them (and some values cannot be
-            # serialised at all), so the event is unverifiable, never a crash.
-            state.unverifiable += 1
-            return None
-        state.events_seen += 1
-        warming = state.checked_blocks < self.warmup_blocks
-        if not warming and state.events_seen % self.sample_every:
-            return None
-        if event.parent_block_hash is None:
-            parent = hasher.none_hash
-            first_index = 0
-        else:
-            known = hasher.digest_for_key(event.parent_block_hash)
-            if known is None:
-                state.unverifiable += 1
-                return None
-            parent, first_index = known, 1
-        extras = self._extra_keys(event, first_index)
-        if extras is None:
-            state.unverifiable += 1
-            return None
-        limit = min(n, WARMUP_MAX_BLOCKS if warming else self.max_blocks)
-        size = hasher.block_size
-        for j in range(limit):
-            digest = hasher.digest(parent, tuple(tokens[j * size : (j + 1) * size]), extras[j])
-            key = key_of(digest)
-            if key != event.block_hashes[j]:
-                self._mismatch(state, self._diagnose(event) if first_index == 0 else None)
-                return False
-            hasher.remember(key, digest)
-            parent = digest
-        state.checked_events += 1
-        state.checked_blocks += limit
-        if state.aligned is None:
-            state.aligned = True
-        return True
+    # -- every event ---------------------------------------------------------------------
 
-    def _extra_keys(self, event: BlockStored, first_index: int) -> list[ExtraKeys] | None:
-        """The extra keys our hasher would use for the event's blocks, rebuilt from
-        what the event says (its untagged extra keys, its LoRA name); None when they
-        cannot be rebuilt."""
-        fmt = self.hasher.extra_keys_format
-        lora = event.lora_name
-        path = self.lora_paths.get(lora) if lora is not None else None
-        context = HashContext(lora_name=lora, lora_path=path)
-        if not context.hashable(fmt):
-            return None
-        published = event.extra_keys
-        out: list[ExtraKeys] = []
-        for j in range(len(event.block_hashes)):
-            index = first_index + j  # 0 for the request's first block, else "not 0"
-            item = published[j] if published is not None and j < len(published) else None
-            expected = [lora] if lora is not None else []
-            salt: str | None = None
-            if index == 0:
-                if published is None:
-                    return None  # engines before vLLM 0.17 do not say if block 0 is salted
-                if item is not None and not isinstance(item, list | tuple):
-                    return None  # a malformed event: not ours to rebuild
-                values = list(item) if item is not None else []
-                if values[: len(expected)] != expected or not all(
-                    isinstance(v, str) for v in values
-                ):
-                    return None  # multimodal or prompt-embeds keys: not ours to rebuild
-                rest = values[len(expected) :]
-                if len(rest) > 1:
-                    return None
-                salt = rest[0] if rest else None
-            elif item is not None and (
-                not isinstance(item, list | tuple) or list(item) != expected
-            ):
-                return None  # not a list of keys (a malformed event): not ours to rebuild
-            out.append(
-                HashContext(cache_salt=salt, lora_name=lora, lora_path=path).extra_keys(index, fmt)
-            )
-        return out
-
-    def _mismatch(self, state: AlignmentState, cause: str | None) -> None:
+    def block_size_agrees(self, state: AlignmentState, event_block_size: int) -> bool:
+        """False (and the state says why) when a BlockStored with tokens was cut in
+        blocks of another size than ours."""
+        if event_block_size == self.block_size:
+            if state.aligned is None:
+                state.aligned = True
+            return True
         state.mismatches += 1
         state.aligned = False
-        if state.cause is None:
-            state.cause = cause or (
-                "the engine's block hashes differ from the scorer's; check hashAlgo"
-                " (--prefix-caching-hash-algo), hashSeed (the engine's PYTHONHASHSEED,"
-                f" else {DEFAULT_HASH_SEED!r}), extraKeysFormat and blockSize"
-                f" (configured: {self.hasher.describe()})"
-            )
-
-    def _diagnose(self, event: BlockStored) -> str:
-        """Which configuration reproduces the event's first block, if any."""
-        current = self.hasher
-        seeds = dict.fromkeys(
-            [current.seed, DEFAULT_HASH_SEED, "0", os.environ.get("PYTHONHASHSEED", "0")]
+        state.cause = (
+            f"the engine's block size is {event_block_size}, the scorer's blockSize is"
+            f" {self.block_size}: set blockSize to the engine's --block-size"
         )
-        size = event.block_size
-        first = tuple(event.token_ids[:size])
-        item = event.extra_keys[0] if event.extra_keys else None
-        values = [v for v in item if isinstance(v, str)] if isinstance(item, list) else []
-        lora = event.lora_name
-        salt = values[-1] if values and values[-1] != lora else None
-        for algo in HASH_ALGOS:
-            for seed in seeds:
-                for fmt in EXTRA_KEYS_FORMATS:
-                    context = HashContext(
-                        cache_salt=salt, lora_name=lora, lora_path=self.lora_paths.get(lora or "")
-                    )
-                    if not context.hashable(fmt):
-                        continue
-                    try:
-                        trial = EngineHasher(algo, seed, size, fmt, memo_blocks=16, digest_keys=16)
-                    except (ValueError, ImportError):
-                        continue
-                    extra = context.extra_keys(0, _fmt(fmt))
-                    if key_of(trial.digest(None, first, extra)) == event.block_hashes[0]:
-                        return (
-                            "the engine hashes blocks with"
-                            f" algo={algo}, seed={seed!r}, extraKeys={fmt}, blockSize={size};"
-                            f" the scorer is configured with {current.describe()}"
-                        )
-        return (
-            "no known configuration reproduces the engine's block hashes (a random seed:"
-            " vLLM < 0.29 without PYTHONHASHSEED? a different extra-keys layout?);"
-            f" the scorer is configured with {current.describe()}"
-        )
-
-
-def _valid_token_ids(tokens: Sequence[object]) -> bool:
-    """Every id an int in the uint32 range, as engines emit them (checked in C). The
-    wire decoder only checked that `token_ids` is a list."""
-    try:
-        token_bytes(tokens)  # type: ignore[arg-type]
-    except (OverflowError, TypeError):
         return False
-    return True
+
+    # -- tokenization probes ---------------------------------------------------------------
+
+    def wants_probe(self) -> bool:
+        """One pick in `sample_every` is probed."""
+        self._picks += 1
+        return self._picks % self.sample_every == 1 or self.sample_every == 1
+
+    def expect(self, streams: list[tuple[AlignmentState, int]], key: int, held: bool) -> None:
+        """A pick sent a prompt whose probe block has `key` to the endpoint with
+        these streams ((state, BlockStored events with tokens so far) each); `held`:
+        the endpoint already held that block (the lookup matched it)."""
+        for state, events in streams:
+            self.expire(state, events)
+            state.probes += 1
+        if held:
+            for state, _ in streams:
+                self._confirm(state)
+            return
+        probe = Probe(key, self.clock() + self.window_s)
+        for state, events in streams:
+            pending = state.pending
+            if key in pending:
+                continue
+            if len(pending) >= self.max_pending:
+                del pending[next(iter(pending))]
+                state.inconclusive += 1
+            pending[key] = (probe, events)
+
+    def on_stored(self, state: AlignmentState, keys: list[int]) -> None:
+        """The stream stored `keys`: the probes they confirm are settled. Costs a set
+        test per event while probes wait, nothing otherwise."""
+        pending = state.pending
+        if pending.keys().isdisjoint(keys):
+            return
+        for key in keys:
+            found = pending.pop(key, None)
+            if found is not None:
+                found[0].confirmed = True
+                self._confirm(state)
+
+    def expire(self, state: AlignmentState, events: int) -> None:
+        """Settle the probes whose window has passed; `events`: the stream's
+        BlockStored events with tokens so far."""
+        pending = state.pending
+        if not pending:
+            return
+        now = self.clock()
+        for key in [k for k, (p, _) in pending.items() if p.deadline <= now]:
+            probe, events_at = pending.pop(key)
+            if probe.confirmed:
+                continue  # another rank of the endpoint stored it
+            if events - events_at < self.min_events:
+                state.inconclusive += 1
+                continue
+            state.missed += 1
+            state.consecutive_misses += 1
+            if state.consecutive_misses >= self.misses_to_flag:
+                state.tokenization = False
+
+    def _confirm(self, state: AlignmentState) -> None:
+        state.confirmed += 1
+        state.consecutive_misses = 0
+        state.tokenization = True
 
 
-def _fmt(fmt: str) -> ExtraKeysFormat:
-    return "tagged" if fmt == "tagged" else "plain"
+TOKENIZATION_CAUSE: Final = (
+    "its KV events never contained the blocks the scorer computed for the prompts sent"
+    " to it ({missed} probes in a row, events flowing): the scorer's tokenization (chat"
+    " template, tokenizer, special tokens) likely differs from the engine's; check the"
+    " tokenizers configured for its model"
+)

@@ -10,11 +10,16 @@ batch is accepted too, as cheap insurance). Each event is a tagged union, `type`
 
 Unknown trailing elements and unknown keys are ignored, missing trailing fields take
 their defaults, so every version from 0.9 on decodes (docs/architecture.md, "vLLM's
-KV events", lists the fields per version). Block hashes are normalised to the index
-key, an unsigned 64-bit int: ints are masked to 64 bits (older engines send signed
-ints), bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: a 32- or 16-byte digest) give
-their last 8 bytes, big-endian. Medium names are lower-cased ("GPU", "cpu",
-"CPU_PINNED" -> "gpu", "cpu", "cpu"); no medium (before vLLM 0.10.2) means the GPU.
+KV events", lists the fields per version). Block hashes are normalised to what the
+index's engine-hash map keys (`ingest`): the low 60 bits of the unsigned 64-bit
+value vLLM publishes (ints, signed ones from older engines included), or of the
+last 8 bytes, big-endian, of a digest sent as bytes
+(`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: 32 or 16 bytes). 60 bits, because a
+60-bit int is 8 bytes smaller in CPython than a 64-bit one, the map holds one per
+cached block, and masking here costs nothing more than masking to 64 bits; two
+blocks of one engine share the low 60 bits with a 2^-60 chance. Medium names are
+lower-cased ("GPU", "cpu", "CPU_PINNED" -> "gpu", "cpu", "cpu"); no medium (before
+vLLM 0.10.2) means the GPU.
 
 The batch is decoded without a schema (msgspec builds plain lists and dicts, which
 is as fast as typed structs here and tolerates every version's shape), then each
@@ -31,6 +36,8 @@ import msgspec
 
 MASK64: Final = (1 << 64) - 1
 END_SEQ: Final = MASK64  # the replay end marker's seq (ff x 8)
+# Engine block hashes keep their low 60 bits (the module docstring says why).
+HASH_MASK: Final = (1 << 60) - 1
 DIGEST_SIZES: Final = frozenset({8, 16, 32})
 
 # Producer-specific medium names, after lower-casing, and what they mean here.
@@ -201,15 +208,15 @@ def _unknown(tag: object) -> _BadEvent:
 
 
 def normalise_hash(value: object) -> int:
-    """A block hash from the wire as the index key (unsigned 64-bit)."""
+    """A block hash from the wire as the index's map keys it (its low 60 bits)."""
     if type(value) is int:
-        return value & MASK64
+        return value & HASH_MASK
     if type(value) is bytes:
         if len(value) not in DIGEST_SIZES:
             raise _BadEvent(
                 REJECT_BAD_HASH, f"a {len(value)}-byte block hash (expected 8, 16 or 32)"
             )
-        return int.from_bytes(value[-8:], "big")
+        return int.from_bytes(value[-8:], "big") & HASH_MASK
     raise _BadEvent(REJECT_BAD_HASH, f"a block hash must be an int or bytes, got {value!r:.64}")
 
 
@@ -217,7 +224,7 @@ def _hashes(value: object) -> list[int]:
     if type(value) is not list or not value:
         raise _BadEvent(REJECT_BAD_EVENT, "block_hashes must be a non-empty list")
     # `type(h) is int` also keeps booleans out (bool is a subclass of int).
-    return [h & MASK64 if type(h) is int else normalise_hash(h) for h in value]
+    return [h & HASH_MASK if type(h) is int else normalise_hash(h) for h in value]
 
 
 def normalise_medium(value: object) -> str:

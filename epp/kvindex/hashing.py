@@ -1,8 +1,10 @@
-"""vLLM's prefix-cache block hashes, computed for the prompts the EPP routes.
+"""vLLM's prefix-cache block hashes: a reference implementation, off the routing path.
 
-The index is keyed by the engine's own block hash (the uint64 on the wire), so a
-prompt is looked up by computing the hashes vLLM will compute for it
-(docs/architecture.md, "vLLM's KV events"):
+The precise index keys blocks by the EPP's own hash of their token ids
+(`blockkeys`), so routing no longer needs the engine's hash. This module computes
+vLLM's (docs/architecture.md, "vLLM's KV events"), checked against vLLM's golden
+vectors, for what must produce engine-exact events: the benchmarks
+(`bench/pick.py`) and the tests.
 
     h_0 = H((NONE_HASH, tuple(tokens[0:B]),   extra_keys_0 or None))
     h_i = H((h_{i-1},   tuple(tokens[iB:(i+1)B]), extra_keys_i or None))
@@ -18,24 +20,13 @@ with `NONE_HASH = H(seed)`. Only full blocks are hashed. `H` follows the engine'
 | `xxhash_cbor` | canonical CBOR                   | XXH3-128, 16 bytes |
 
 The full digest chains into the next block; KV events carry the big-endian uint64
-of its last 8 bytes, which is the index key (`key_of`).
+of its last 8 bytes (`key_of`).
 
-Extra keys (what besides the tokens a block's hash covers), as vLLM builds them, in
-this order: the LoRA adapter, multimodal items, the `cache_salt` (block 0 only).
-Their shape depends on the engine version (`ExtraKeysFormat`):
-
-- `"tagged"` (vLLM >= 0.31): `("lora", name, path)`, `("cache_salt", salt)`.
-  The adapter's *path* is hashed and KV events do not carry it, so a LoRA request
-  can only be hashed when the adapter's path is configured (`HashContext.lora_path`);
-- `"plain"` (vLLM 0.12 - 0.30): the adapter's name, then the salt string.
-
-Multimodal inputs are hashed from the media content, which the EPP does not see:
-such prompts get no precise score (the caller decides that, not this module).
-
-Hashing a block costs 1.5 us (sha256) to 6 us (sha256_cbor) here, and the blocks of
-a shared prefix are hashed again by every request carrying it, so `EngineHasher`
-remembers (parent digest, block tokens, extra keys) -> (digest, key) for recent
-blocks: a repeated prefix costs a dictionary lookup per block.
+Extra keys, as vLLM builds them, in this order: the LoRA adapter, multimodal items,
+the `cache_salt` (block 0 only). Their shape depends on the engine version
+(`ExtraKeysFormat`): `"tagged"` (vLLM >= 0.31): `("lora", name, path)`,
+`("cache_salt", salt)`; `"plain"` (vLLM 0.12 - 0.30): the adapter's name, then the
+salt string.
 """
 
 from __future__ import annotations
@@ -111,19 +102,14 @@ def key_of(digest: bytes) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class HashContext:
-    """What besides its tokens goes into a prompt's block hashes."""
+class EngineHashContext:
+    """What besides its tokens goes into vLLM's block hashes of a prompt."""
 
     cache_salt: str | None = None
     lora_name: str | None = None
     # The adapter's path as the engine loaded it (`--lora-modules name=path`):
     # hashed by vLLM >= 0.31 ("tagged" extra keys).
     lora_path: str | None = None
-
-    def hashable(self, fmt: ExtraKeysFormat) -> bool:
-        """False when the engine's hashes cannot be reproduced (a LoRA request under
-        the tagged format, with no adapter path configured)."""
-        return not (fmt == "tagged" and self.lora_name is not None and self.lora_path is None)
 
     def extra_keys(self, block_index: int, fmt: ExtraKeysFormat) -> ExtraKeys:
         keys: list[object] = []
@@ -139,10 +125,7 @@ class HashContext:
 _MemoKey = tuple[bytes, bytes, ExtraKeys]
 
 
-# The memo's default size. A block in the memo costs about 380 bytes (its key,
-# digest and the digest-by-key entry), so 16,384 blocks (262,144 tokens of prefix
-# at 16 tokens a block) hold about 6 MB; a 50,000-block memo filled so slowly under
-# a long tail of prompts that it looked like a leak for the first half hour.
+# The memo's default size (a block in it costs about 300 bytes).
 DEFAULT_MEMO_BLOCKS: Final = 16_384
 
 
@@ -159,7 +142,6 @@ class EngineHasher:
         block_size: int = 16,
         extra_keys_format: ExtraKeysFormat = "tagged",
         memo_blocks: int = DEFAULT_MEMO_BLOCKS,
-        digest_keys: int = DEFAULT_MEMO_BLOCKS,
     ) -> None:
         if block_size < 1:
             raise ValueError("the block size must be >= 1")
@@ -175,10 +157,6 @@ class EngineHasher:
         self._unpack = struct.Struct(f"={block_size}{TOKEN_TYPECODE}").unpack
         self._memo: dict[_MemoKey, tuple[bytes, int]] = {}
         self._memo_max = max(16, memo_blocks)
-        # key -> digest of blocks hashed here, so that the alignment check can
-        # recompute an event whose chain starts after a block we know.
-        self._digests: dict[int, bytes] = {}
-        self._digests_max = max(16, digest_keys)
         self.computed = 0  # blocks actually hashed (memo misses)
 
     def describe(self) -> str:
@@ -205,95 +183,31 @@ class EngineHasher:
         if len(memo) >= self._memo_max:
             _drop_oldest(memo, self._memo_max // 4)
         memo[memo_key] = hit
-        digests = self._digests
-        if len(digests) >= self._digests_max:
-            _drop_oldest(digests, self._digests_max // 4)
-        digests[key] = digest
         self.computed += 1
         return hit
 
-    def digest_for_key(self, key: int) -> bytes | None:
-        """The full digest behind `key`, if this hasher computed it recently."""
-        return self._digests.get(key)
+    def block_digests(
+        self, tokens: Sequence[int], context: EngineHashContext | None = None
+    ) -> list[bytes]:
+        """Every full block's digest of `tokens`, as the engine chains them."""
+        context = context or EngineHashContext()
+        data = token_bytes(tokens)
+        bb = self.block_bytes
+        parent = self.none_hash
+        out: list[bytes] = []
+        for i in range(len(data) // bb):
+            extra = context.extra_keys(i, self.extra_keys_format)
+            parent, _ = self.child(parent, data[i * bb : (i + 1) * bb], extra)
+            out.append(parent)
+        return out
 
-    def remember(self, key: int, digest: bytes) -> None:
-        digests = self._digests
-        if len(digests) >= self._digests_max:
-            _drop_oldest(digests, self._digests_max // 4)
-        digests[key] = digest
-
-    def prompt(self, data: bytes, context: HashContext | None = None) -> PromptBlocks:
-        return PromptBlocks(self, data, context or HashContext())
-
-    def keys(self, tokens: Sequence[int], context: HashContext | None = None) -> list[int]:
-        """Every full block's key of `tokens` (for tests and tools; the pick path
-        computes keys lazily through `PromptBlocks`)."""
-        blocks = self.prompt(token_bytes(tokens), context)
-        while len(blocks.keys) < blocks.n_blocks:
-            blocks.next_key()
-        return blocks.keys
+    def keys(self, tokens: Sequence[int], context: EngineHashContext | None = None) -> list[int]:
+        """Every full block's key of `tokens`: what KV events carry for them."""
+        return [key_of(d) for d in self.block_digests(tokens, context)]
 
 
-def _drop_oldest(table: dict[_MemoKey, tuple[bytes, int]] | dict[int, bytes], count: int) -> None:
+def _drop_oldest(table: dict[_MemoKey, tuple[bytes, int]], count: int) -> None:
     """Forget the `count` oldest entries of a dict (insertion order): one pass, so
     the cost per entry stays constant however full the table is."""
     for stale in list(itertools.islice(iter(table), count)):
-        del table[stale]  # type: ignore[arg-type]
-
-
-class PromptBlocks:
-    """The block keys of one prompt, computed block by block on demand, so a lookup
-    stops hashing where no pod can match any further."""
-
-    __slots__ = (
-        "_block_bytes",
-        "_extra0",
-        "_extra_rest",
-        "_hasher",
-        "_memo",
-        "_parent",
-        "data",
-        "keys",
-        "n_blocks",
-    )
-
-    def __init__(self, hasher: EngineHasher, data: bytes, context: HashContext) -> None:
-        self._hasher = hasher
-        self._memo = hasher._memo
-        self._block_bytes = hasher.block_bytes
-        self.data = data  # the prompt's token ids (token_bytes)
-        self.n_blocks = len(data) // hasher.block_bytes
-        fmt = hasher.extra_keys_format
-        self._extra0 = context.extra_keys(0, fmt)
-        self._extra_rest = context.extra_keys(1, fmt)
-        self._parent = hasher.none_hash
-        self.keys: list[int] = []
-
-    def next_key(self) -> int:
-        """The key of the next block whose key is not known yet."""
-        keys = self.keys
-        i = len(keys)
-        bb = self._block_bytes
-        start = i * bb
-        block = self.data[start : start + bb]
-        extra = self._extra0 if i == 0 else self._extra_rest
-        # The memo hit inlined (the pick path's commonest case): taken out and put
-        # back at the end, as the most recently used; a miss hashes.
-        memo_key = (self._parent, block, extra)
-        hit = self._memo.pop(memo_key, None)
-        if hit is None:
-            hit = self._hasher.child(self._parent, block, extra)
-        else:
-            self._memo[memo_key] = hit
-        self._parent, key = hit
-        keys.append(key)
-        return key
-
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
-    def block_data(self, first_block: int) -> bytes:
-        """The token bytes from block `first_block` to the end of the full blocks."""
-        bb = self._hasher.block_bytes
-        return self.data[first_block * bb : self.n_blocks * bb]
+        del table[stale]

@@ -1,16 +1,16 @@
 """The prefix index: which KV-event stream holds which block, in which medium.
 
-Logically it is a radix tree of block keys per pod. Because a block key is the
-engine's *chained* hash (it already encodes every block before it), the tree needs
+Logically it is a radix tree of block keys per pod. Because a block key is a
+*chained* hash (`blockkeys`: it already encodes every block before it), the tree needs
 no explicit edges: a flat map from block key to the set of holders is the tree, and
 "the longest cached prefix" is a walk over the prompt's keys that stops at the first
 block a pod does not hold (`lookup`).
 
 Layout, chosen for speed and memory in CPython:
 
-- one `dict[int, int]` per medium tier ("gpu", "cpu", ...): block key (the uint64 on
-  the wire) -> bitmask of holders. Removals are direct (events name the key), and
-  there is no engine-key -> our-key map to keep;
+- one `dict[int, int]` per medium tier ("gpu", "cpu", ...): block key (the EPP's
+  own, `blockkeys`) -> bitmask of holders. The engine's hashes, which removals
+  name, are mapped to these keys per stream by the ingestion (`ingest`);
 - a holder is a *slot*: one KV-event stream (an endpoint, or one data-parallel rank
   of it). Equal masks share one int object (interned), so a (block, slot) entry
   costs about one dict entry plus the key's int;
@@ -19,11 +19,15 @@ Layout, chosen for speed and memory in CPython:
   ask about live slots, so the retired bits are invisible at once; `sweep` removes
   them from the maps later, in slices, off the pick path, and then frees the slot
   for reuse;
-- each slot keeps, per tier, the XOR of the keys it holds (updated with every entry
-  added or removed, so reading it is O(1)): a fingerprint of its block set. Equal
-  fingerprints mean, but for a 2^-64 chance, equal sets, so a test or an operator
-  can check the index against the engine's own block table, or two replicas'
-  indexes against each other, without listing millions of keys;
+- each slot keeps, per tier, the XOR of a *mark* of each block it holds (updated
+  with every entry added or removed, so reading it is O(1)): a fingerprint of its
+  block set. The KV-event ingestion marks a block with the engine's own hash, so
+  the fingerprint is the XOR of the engine's hashes, which a test or an operator
+  compares with the engine's own block table, or two replicas' indexes with each
+  other, without listing millions of keys (equal but for a 2^-64 chance). An
+  eviction by the bound XORs the key, not the mark it was stored with (the index
+  does not keep marks): after one, the fingerprint of a slot stored with marks no
+  longer means anything, as the index no longer mirrors the engine anyway;
 - the bound is on (block, slot) entries. Past it the oldest blocks go, a batch at a
   time; a block moves to the young end whenever a stream stores it again, so the
   eviction is least-recently-stored first. Engines report their own evictions
@@ -36,8 +40,11 @@ loop, and every method returns without awaiting.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import xor
 from typing import Final
 
 # Interned masks: beyond this many distinct masks, sharing is dropped and restarted.
@@ -69,6 +76,20 @@ def bits(mask: int) -> Iterator[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+def _digest_of_repeats(keys: Sequence[int], marks: Sequence[int], again: list[int]) -> int:
+    """The XOR of the marks of the occurrences in `keys` that `store` found held: all
+    of a key's if it was held before the call, else all but its first."""
+    listed = Counter(keys)
+    held = Counter(again)
+    seen: Counter[int] = Counter()
+    digest = 0
+    for key, mark in zip(keys, marks, strict=True):
+        if key in held and (held[key] == listed[key] or seen[key]):
+            digest ^= mark
+        seen[key] += 1
+    return digest
 
 
 class PrefixIndex:
@@ -149,25 +170,43 @@ class PrefixIndex:
             return mask
         return shared
 
-    def store(self, slot: int, tier: Tier, keys: Iterable[int]) -> int:
+    def store(
+        self,
+        slot: int,
+        tier: Tier,
+        keys: Sequence[int],
+        marks: Sequence[int] | None = None,
+        held: list[int] | None = None,
+    ) -> int:
         """Record that `slot` holds `keys` in `tier`; returns how many were new.
-        Storing a held block again only refreshes its age (idempotent)."""
+        Storing a held block again only refreshes its age (idempotent); such keys
+        are appended to `held` when it is given. The slot's digest XORs `marks`
+        (parallel to `keys`; the keys themselves when None)."""
         counts = self._counts.get(slot)
         if counts is None:
             return 0  # retired meanwhile: nothing of it may come back
         bit = 1 << slot
         blocks = tier.blocks
-        added = 0
-        digest = 0
+        pop = blocks.pop
         intern = self._intern
+        again: list[int] = []
         for key in keys:
-            old = blocks.pop(key, 0)
+            old = pop(key, 0)
             if old & bit:
                 blocks[key] = old  # re-inserted: now the youngest
+                again.append(key)
                 continue
-            blocks[key] = intern(old | bit)
-            added += 1
-            digest ^= key
+            new = old | bit
+            # Masks below 257 are CPython's shared small ints already.
+            blocks[key] = new if new < 257 else intern(new)
+        added = len(keys) - len(again)
+        # The digest of what was added: all the marks, less those of the keys held
+        # already (usually none).
+        digest = reduce(xor, keys if marks is None else marks, 0)
+        if again:
+            if held is not None:
+                held.extend(again)
+            digest ^= _digest_of_repeats(keys, keys if marks is None else marks, again)
         if added:
             counts[tier.name] += added
             self._digests[slot][tier.name] ^= digest
@@ -176,8 +215,11 @@ class PrefixIndex:
                 self._evict()
         return added
 
-    def remove(self, slot: int, tier: Tier, keys: Iterable[int]) -> int:
-        """`slot` no longer holds `keys` in `tier`; returns how many it held."""
+    def remove(
+        self, slot: int, tier: Tier, keys: Sequence[int], marks: Sequence[int] | None = None
+    ) -> int:
+        """`slot` no longer holds `keys` in `tier`; returns how many it held. The
+        slot's digest XORs `marks` (parallel to `keys`; the keys when None)."""
         counts = self._counts.get(slot)
         if counts is None:
             return 0
@@ -185,7 +227,7 @@ class PrefixIndex:
         blocks = tier.blocks
         removed = 0
         digest = 0
-        for key in keys:
+        for key, mark in zip(keys, keys if marks is None else marks, strict=True):
             old = blocks.get(key, 0)
             if not old & bit:
                 continue
@@ -195,12 +237,17 @@ class PrefixIndex:
             else:
                 del blocks[key]
             removed += 1
-            digest ^= key
+            digest ^= mark
         if removed:
             counts[tier.name] -= removed
             self._digests[slot][tier.name] ^= digest
             self.stats.entries -= removed
         return removed
+
+    def holds(self, slot: int, key: int) -> bool:
+        """Whether `slot` holds `key` in any tier."""
+        bit = 1 << slot
+        return any(tier.blocks.get(key, 0) & bit for tier in self.tiers)
 
     def _evict(self) -> None:
         """Drop the least recently stored blocks until 1/64 of the bound is free."""

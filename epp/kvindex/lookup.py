@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epp.kvindex.hashing import PromptBlocks
+from epp.kvindex.blockkeys import PromptBlocks
 from epp.kvindex.index import PrefixIndex, bits
 from epp.kvindex.speculative import Anchor, SpeculativeIndex
 

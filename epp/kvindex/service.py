@@ -6,7 +6,7 @@ by a plugin), started and stopped by the server, read by plugins:
 
     KV events (ZMQ, per endpoint and DP rank) --> KVEventSubscriber --> PreciseIndex
                                                           (or `feed`, for tests and the lab)
-    request --> lookup_request: tokenize as the engine will, hash, walk the index
+    request --> lookup_request: tokenize as the engine will, key the blocks, walk the index
             --> PromptMatch: per candidate endpoint, the share of the prompt it holds
     the pick --> record_pick: speculative entries until the engine's events arrive
 
@@ -38,15 +38,9 @@ from prometheus_client.registry import Collector
 from epp.clock import SYSTEM_CLOCK, Clock
 from epp.datastore import Datastore, Endpoint
 from epp.durations import Duration, parse_duration
-from epp.kvindex.alignment import AlignmentChecker
+from epp.kvindex.alignment import PROBE_BLOCKS, AlignmentChecker
+from epp.kvindex.blockkeys import BlockKeys, HashContext, PromptBlocks
 from epp.kvindex.events import EventBatch
-from epp.kvindex.hashing import (
-    DEFAULT_HASH_SEED,
-    DEFAULT_MEMO_BLOCKS,
-    EngineHasher,
-    HashContext,
-    PromptBlocks,
-)
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
 from epp.kvindex.lookup import PrefixMatch, longest_prefix
@@ -93,20 +87,20 @@ class TokenizerConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
 class LoraAdapterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     name: str
     base_model: str
-    path: str | None = None  # the adapter's path as the engine loaded it
+    path: str | None = None  # accepted, not needed: blocks are keyed by the name
 
 
 class PrecisePrefixConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     """The service's settings: `precise-prefix-cache-scorer`'s parameters
     (docs/precise-prefix.md has them all)."""
 
-    # The engine's --block-size (the hash block size).
+    # The engine's --block-size: events are cut in blocks of this many tokens.
     block_size: _Positive = 16
-    # The engine's NONE_HASH seed: its PYTHONHASHSEED, or vLLM's default.
-    hash_seed: str = DEFAULT_HASH_SEED
-    # The engine's --prefix-caching-hash-algo.
+    # Accepted and ignored (llm-d's configs and ours before the index had its own
+    # keys set them): the index hashes the events' token ids itself, so the
+    # engine's seed, algorithm and extra-key layout do not matter.
+    hash_seed: str = "vllm-none-hash"
     hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256"
-    # cache_salt / LoRA in the hashes: "tagged" = vLLM >= 0.31, "plain" = 0.12 - 0.30.
     extra_keys_format: Literal["tagged", "plain"] = "tagged"
     kv_events_config: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
     speculative_indexing: bool = False
@@ -118,7 +112,8 @@ class PrecisePrefixConfig(msgspec.Struct, forbid_unknown_fields=True, rename="ca
     # "error": a configured tokenizer directory that does not exist stops the start;
     # "fallback": its model gets no precise score (logged, and in /debug/endpoints).
     on_missing_tokenizer: Literal["error", "fallback"] = "error"
-    # Bound of the index in (block, endpoint) entries; about 100 bytes each.
+    # Bound of the index in (block, endpoint) entries; about 150 bytes each with the
+    # engine-hash map.
     max_index_entries: _Positive = 2_000_000
     medium_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: {"gpu": 1.0, "cpu": 0.8}
@@ -129,8 +124,9 @@ class PrecisePrefixConfig(msgspec.Struct, forbid_unknown_fields=True, rename="ca
     # Uncached text longer than this is tokenized in a worker thread.
     inline_tokenize_chars: Annotated[int, msgspec.Meta(ge=0)] = 2_000
     tokenizer_workers: _Positive = 2
-    # Recent blocks whose hash is remembered (a repeated prefix costs a lookup).
-    hash_cache_blocks: _Positive = DEFAULT_MEMO_BLOCKS
+    # Accepted and ignored: block keys cost a fraction of a microsecond, a cache of
+    # them would cost as much to look up.
+    hash_cache_blocks: _Positive = 16_384
     # Only a prompt's first blocks are hashed and matched (GIE's names): bounds the
     # work a very long prompt costs at pick time. 8192 blocks of 16 tokens are
     # 131,072 tokens. maxPrefixTokensToMatch, when set, wins (as tokens // blockSize
@@ -169,7 +165,7 @@ class PromptMatch:
 class NoLookup:
     """The prompt could not be looked up: every endpoint scores 0 for it."""
 
-    reason: str  # a metric label: no_tokenizer, tokenizer_loading, lora_path_unknown, ...
+    reason: str  # a metric label: no_tokenizer, tokenizer_loading, multimodal, ...
     detail: str
 
 
@@ -213,14 +209,7 @@ class PrecisePrefixService:
                     f"tokenizers: model {tokenizer.model!r} needs exactly one of path and"
                     " huggingFace"
                 )
-        self.hasher = EngineHasher(
-            config.hash_algo,
-            config.hash_seed,
-            config.block_size,
-            config.extra_keys_format,
-            memo_blocks=config.hash_cache_blocks,
-        )
-        lora_paths = {a.name: a.path for a in config.lora_adapters if a.path is not None}
+        self.keys = BlockKeys(config.block_size)
         self.speculative = (
             SpeculativeIndex(parse_duration(config.speculative_ttl), clock=clock)
             if config.speculative_indexing
@@ -228,8 +217,8 @@ class PrecisePrefixService:
         )
         self.precise = PreciseIndex(
             PrefixIndex(config.max_index_entries, weights),
-            self.hasher,
-            AlignmentChecker(self.hasher, lora_paths, sample_every=config.alignment_sample_every)
+            config.block_size,
+            AlignmentChecker(config.block_size, config.alignment_sample_every, clock=clock)
             if config.alignment_check
             else None,
             self.speculative,
@@ -334,15 +323,7 @@ class PrecisePrefixService:
         context = HashContext(
             cache_salt=request.cache_salt,
             lora_name=adapter.name if adapter is not None else None,
-            lora_path=adapter.path if adapter is not None else None,
         )
-        if not context.hashable(self.hasher.extra_keys_format):
-            return self._skip(
-                "lora_path_unknown",
-                model,
-                "vLLM >= 0.31 hashes a LoRA adapter's path, which KV events do not carry:"
-                " give its path in loraAdapters",
-            )
         try:
             data = token_id_prompt(request)
             if data is None:
@@ -376,7 +357,7 @@ class PrecisePrefixService:
                 slots[endpoint] = owned
                 for slot in owned:
                     candidates |= 1 << slot
-        block_bytes = self.hasher.block_bytes
+        block_bytes = self.keys.block_bytes
         prompt_blocks = len(data) // block_bytes
         considered = prompt_blocks
         if self.max_blocks and prompt_blocks > self.max_blocks:
@@ -384,7 +365,7 @@ class PrecisePrefixService:
             # denominator alike: a pod holding all of them scores 1.
             considered = self.max_blocks
             data = data[: considered * block_bytes]
-        blocks = self.hasher.prompt(data, context)
+        blocks = self.keys.prompt(data, context)
         match = longest_prefix(precise.index, blocks, candidates, self.speculative)
         stats = self.stats
         stats.lookups += 1
@@ -398,9 +379,13 @@ class PrecisePrefixService:
 
     def record_pick(self, found: PromptMatch, endpoint: Endpoint) -> None:
         """The request went to `endpoint`: with speculative indexing, its prompt's
-        blocks count as held there until the engine's own events arrive."""
+        blocks count as held there until the engine's own events arrive; one pick in
+        `alignmentSampleEvery` is a tokenization probe (`alignment`)."""
         speculative = self.speculative
         match = found.match
+        checker = self.precise.checker
+        if checker is not None and match.n_blocks and checker.wants_probe():
+            self._probe(found, endpoint)
         if speculative is None or not match.n_blocks:
             return
         streams = self.precise.streams(endpoint)
@@ -418,6 +403,15 @@ class PrecisePrefixService:
             stop * bb,
             match.n_blocks * bb,
         )
+
+    def _probe(self, found: PromptMatch, endpoint: Endpoint) -> None:
+        """Expect the key of the prompt's probe block in `endpoint`'s events."""
+        probe = min(found.match.n_blocks, PROBE_BLOCKS) - 1
+        blocks = found.blocks
+        while len(blocks.keys) <= probe:
+            blocks.next_key()  # at most PROBE_BLOCKS keys, usually none
+        held = found.matched_blocks(endpoint) > probe
+        self.precise.expect(endpoint, blocks.keys[probe], held)
 
     def _skip(self, reason: str, model: str, detail: str) -> NoLookup:
         skipped = self.stats.skipped

@@ -89,19 +89,38 @@ class PrecisePrefixCollector(Collector):
             ),
             "alignment": CounterMetricFamily(
                 "epp_kv_alignment_failures",
-                "KV events whose block hashes disagreed with the scorer's own computation.",
+                "BlockStored events whose block size disagreed with the scorer's blockSize.",
                 labels=["endpoint"],
+            ),
+            "unknown": CounterMetricFamily(
+                "epp_kv_unknown_block_hashes",
+                "Block hashes in KV events that the endpoint's stream never stored with"
+                " tokens, by reason: unknown_removal (BlockRemoved: nothing removed),"
+                " unknown_block (BlockStored without tokens: not indexed).",
+                labels=["endpoint", "reason"],
+            ),
+            "probes": CounterMetricFamily(
+                "epp_kv_tokenization_probes",
+                "Picks whose predicted block was looked for in the pod's KV events, by"
+                " result: confirmed, missed (expired with events flowing), inconclusive.",
+                labels=["endpoint", "result"],
             ),
             "checked": CounterMetricFamily(
                 "epp_kv_alignment_checked_blocks",
-                "Blocks re-hashed by the alignment self-check.",
+                "Blocks whose token ids the alignment self-check checked (count and range).",
                 labels=["endpoint"],
             ),
         }
         trusted = GaugeMetricFamily(
             "epp_kv_index_trusted",
-            "1 if the endpoint's precise prefix score is trusted (alignment check passed or"
-            " not yet possible), 0 if its hashes disagree.",
+            "1 if the endpoint's precise prefix score is trusted, 0 if its events are cut"
+            " in blocks of another size than blockSize.",
+            labels=["endpoint"],
+        )
+        agreement = GaugeMetricFamily(
+            "epp_kv_tokenization_agreement",
+            "0 if the blocks predicted for the prompts sent to the endpoint never showed up"
+            " in its KV events (the tokenizations likely differ), else 1.",
             labels=["endpoint"],
         )
         connected = GaugeMetricFamily(
@@ -164,6 +183,7 @@ class PrecisePrefixCollector(Collector):
                 ("resets", "clears"),
                 ("rejected", "rejected"),
                 ("ignored", "ignored"),
+                ("unknown", "unknown_hashes"),
             ):
                 merged: dict[str, int] = {}
                 for sink in sinks:
@@ -173,6 +193,13 @@ class PrecisePrefixCollector(Collector):
                     families[label].add_metric([name, reason], count)
             families["alignment"].add_metric([name], sum(s.alignment.mismatches for s in sinks))
             families["checked"].add_metric([name], sum(s.alignment.checked_blocks for s in sinks))
+            for result in ("confirmed", "missed", "inconclusive"):
+                families["probes"].add_metric(
+                    [name, result], sum(getattr(s.alignment, result) for s in sinks)
+                )
+            agreement.add_metric(
+                [name], 0.0 if any(s.alignment.tokenization is False for s in sinks) else 1.0
+            )
             trusted.add_metric([name], 1.0 if precise.trusted(endpoint) else 0.0)
             connected.add_metric(
                 [name],
@@ -186,6 +213,7 @@ class PrecisePrefixCollector(Collector):
         yield blocks
         yield from families.values()
         yield trusted
+        yield agreement
         yield connected
         yield lag
         yield negative
@@ -220,8 +248,9 @@ class PrecisePrefixCollector(Collector):
         )
         yield _counter(
             "epp_precise_prefix_hashed_blocks",
-            "Blocks hashed for lookups (the rest came from the hash cache).",
-            service.hasher.computed,
+            "Block keys computed for lookups (the walk stops at the first block no"
+            " candidate holds).",
+            service.keys.computed,
         )
         if service.speculative is not None:
             yield _counter(

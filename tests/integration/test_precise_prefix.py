@@ -35,7 +35,6 @@ def config() -> str:
                     "name": "prefix",
                     "parameters": {
                         "blockSize": 16,
-                        "hashSeed": "0",
                         "tokenizers": [{"model": "*", "path": str(qwen_dir())}],
                     },
                 },

@@ -31,8 +31,7 @@ SYSTEM = "You are the support assistant of a large bookshop. " * 60  # ~700 toke
 
 def config(**parameters: Any) -> str:
     params = {
-        "blockSize": 16,
-        "hashSeed": "0",
+        "blockSize": 16,  # no hash settings: the engines' seeds do not matter
         "tokenizers": [{"model": "*", "path": str(qwen_dir())}],
         "kvEventsConfig": {"replayTimeout": "500ms", "reconnectInterval": "50ms"},
         **parameters,
@@ -227,6 +226,8 @@ async def test_debug_endpoints_and_metrics_show_the_index(start_fleet: StartFlee
     assert entry["gaps"] == 0
     assert entry["aligned"] is True
     assert entry["trusted"] is True
+    assert entry["engineHashes"] == entry["blocks"]
+    assert "tokenizationAgreement" in entry
     assert entry["state"] == "live"
     assert entry["tokenizers"] == {"*": "ready"}
     assert (
@@ -265,23 +266,77 @@ async def test_without_speculative_indexing_siblings_are_cold(start_fleet: Start
     assert set(scores.values()) == {0.0}
 
 
-async def test_a_misaligned_pod_is_not_trusted(start_fleet: StartFleet) -> None:
-    # Pod c hashes with another seed than the scorer's: its blocks never match, and
-    # the alignment check says so instead of leaving it silently cold.
-    fleet = await start_fleet(config(), c={"hash_seed": "vllm-none-hash"})
+async def test_pods_with_any_seed_or_algorithm_are_scored(start_fleet: StartFleet) -> None:
+    """Pods hashing with other seeds and algorithms than each other (and than any
+    setting of the scorer's) are all trusted and scored: the index hashes the
+    token ids itself. (This used to be a misalignment.)"""
+    fleet = await start_fleet(
+        config(),
+        b={"hash_seed": "vllm-none-hash"},
+        c={"hash_seed": "1234567", "hash_algo": "sha256_cbor"},
+    )
+    await fleet.send("c", chat("hello"))
+    await fleet.wait_blocks("c", 40)
+    entry = (await fleet.debug())["c"]["index"]
+    assert entry["aligned"] is True
+    assert entry["trusted"] is True
+    picked, scores = await fleet.pick(chat("hello again"))
+    assert picked == "c"
+    assert scores["c"] > 0.9
+    await fleet.send("b", chat("hello"))
+    await fleet.wait_blocks("b", 40)
+    _, scores = await fleet.pick(chat("hello again"))
+    assert scores["b"] == scores["c"] > 0.9
+    assert await fleet.metric("epp_kv_alignment_failures_total", {"endpoint": "c"}) == 0
+
+
+async def test_a_pod_with_another_block_size_is_not_trusted(start_fleet: StartFleet) -> None:
+    fleet = await start_fleet(config(), c={"block_size": 32})
     await fleet.send("c", chat("hello"))
     await fleet.send("b", chat("hello"))
-    await fleet.wait_blocks("c")
     await fleet.wait_blocks("b")
+    deadline = asyncio.get_running_loop().time() + 5
+    while (await fleet.debug())["c"]["index"].get("trusted", True):
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
     entry = (await fleet.debug())["c"]["index"]
     assert entry["aligned"] is False
-    assert entry["trusted"] is False
-    assert "seed='vllm-none-hash'" in entry["alignmentCause"]
+    assert entry["blocks"] == 0
+    assert "set blockSize to the engine's --block-size" in entry["alignmentCause"]
     picked, scores = await fleet.pick(chat("hello again"))
     assert picked == "b"
     assert scores["c"] == 0.0
     assert await fleet.metric("epp_kv_alignment_failures_total", {"endpoint": "c"}) >= 1
     assert await fleet.metric("epp_kv_index_trusted", {"endpoint": "c"}) == 0
+    rejected = {"endpoint": "c", "reason": "block_size_mismatch"}
+    assert await fleet.metric("epp_kv_events_rejected_total", rejected) >= 1
+
+
+async def test_picks_probe_the_tokenization_and_the_engine_confirms_it(
+    start_fleet: StartFleet,
+) -> None:
+    """The EPP's tokenization (Qwen2.5's chat template and tokenizer) agrees with the
+    engine's: the blocks a pick predicts show up in the chosen pod's events."""
+    fleet = await start_fleet(config(alignmentSampleEvery=1), names=("a", "b"))
+    for question in ("one", "two", "three"):
+        body = chat(question)
+        picked, _ = await fleet.pick(body)
+        await fleet.send(picked, body)  # what the gateway does with the pick
+    deadline = asyncio.get_running_loop().time() + 5
+    while True:
+        probes = [e["index"]["tokenizationProbes"] for e in (await fleet.debug()).values()]
+        if sum(p["confirmed"] for p in probes) == 3:
+            break
+        assert asyncio.get_running_loop().time() < deadline, probes
+        await asyncio.sleep(0.02)
+    assert sum(p["missed"] for p in probes) == 0
+    entries = await fleet.debug()
+    assert {e["index"]["tokenizationAgreement"] for e in entries.values()} <= {True, None}
+    probes = "epp_kv_tokenization_probes_total"
+    confirmed = [
+        await fleet.metric(probes, {"endpoint": n, "result": "confirmed"}) for n in ("a", "b")
+    ]
+    assert sum(confirmed) == 3
 
 
 async def test_cache_salt_keeps_tenants_apart(start_fleet: StartFleet) -> None:
@@ -314,17 +369,22 @@ async def test_token_id_prompts_need_no_tokenizer(start_fleet: StartFleet) -> No
     assert await fleet.metric("epp_precise_prefix_skipped_total", {"reason": "no_tokenizer"}) == 1
 
 
-async def test_lora_requests_without_the_adapter_path_get_no_score(
+async def test_lora_requests_are_looked_up_without_the_adapter_path(
     start_fleet: StartFleet,
 ) -> None:
+    """The adapter's name keys its blocks (as KV events name it): no path needed.
+    The base model's blocks do not count for an adapter's request."""
     fleet = await start_fleet(
         config(loraAdapters=[{"name": "my-lora", "baseModel": "sim-model"}]), names=("a",)
     )
+    await fleet.send("a", chat("hi"))  # the base model's blocks
+    await fleet.wait_blocks("a", 40)
     _, scores = await fleet.pick({**chat("hi"), "model": "my-lora"})
     assert scores == {"a": 0.0}
-    assert (
-        await fleet.metric("epp_precise_prefix_skipped_total", {"reason": "lora_path_unknown"}) == 1
-    )
+    _, scores = await fleet.pick(chat("hi"))
+    assert scores["a"] > 0.9
+    assert await fleet.metric("epp_precise_prefix_lookups_total", {"result": "miss"}) == 1
+    assert await fleet.metric("epp_precise_prefix_skipped_total") == 0
 
 
 async def test_a_missing_tokenizer_falls_back_when_configured(
@@ -374,3 +434,13 @@ def test_the_example_config_is_valid() -> None:
     qwen_dir()  # it points at the workspace's Qwen tokenizer
     loaded = load_config(path.read_text(), PluginRegistry.from_entry_points())
     assert "prefix" in loaded.plugins
+
+
+def test_the_engines_hash_settings_are_still_accepted_and_change_nothing() -> None:
+    """llm-d's configs (and ours before the index had its own keys) set them."""
+    compat = {"hashSeed": "42", "hashAlgo": "xxhash_cbor", "extraKeysFormat": "plain"}
+    loaded = load_config(config(**compat), PluginRegistry.from_entry_points())
+    plain = load_config(config(), PluginRegistry.from_entry_points())
+    tokens = list(range(100, 164))
+    keys = [c.services["prefix"].keys.keys(tokens) for c in (loaded, plain)]
+    assert keys[0] == keys[1]

@@ -18,7 +18,7 @@ import zmq.asyncio
 from epp.clock import Clock
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.kvindex.alignment import AlignmentChecker
-from epp.kvindex.hashing import EngineHasher
+from epp.kvindex.events import HASH_MASK
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.ingest import PreciseIndex
 from epp.kvindex.subscriber import KVEventStream, KVEventSubscriber, SubscriberSettings
@@ -42,7 +42,6 @@ class Harness:
     datastore: Datastore
     precise: PreciseIndex
     subscriber: KVEventSubscriber
-    hasher: EngineHasher
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def endpoint(self, name: str) -> Endpoint:
@@ -54,7 +53,21 @@ class Harness:
         return self.subscriber.streams[self.endpoint(name)][rank][0]
 
     def keys(self, name: str) -> set[int]:
-        """The block keys the index says `name` holds (any tier, any rank)."""
+        """The engine's block hashes (as the map keeps them: `engine_hash`) whose
+        keys the index says `name` holds (any tier, any rank)."""
+        endpoint = self.datastore.get(name)
+        if endpoint is None:
+            return set()
+        index = self.precise.index
+        return {
+            engine
+            for stream in self.precise.streams(endpoint)
+            for engine, key in stream.engine_keys.items()
+            if index.holds(stream.slot, key)
+        }
+
+    def own_keys(self, name: str) -> set[int]:
+        """The index's own keys `name` holds (any tier, any rank)."""
         endpoint = self.datastore.get(name)
         if endpoint is None:
             return set()
@@ -89,17 +102,32 @@ class Harness:
 def make_harness(
     specs: list[EndpointSpec],
     settings: SubscriberSettings = FAST,
-    seed: str = "0",
     wall_clock: Clock = time.time,
 ) -> Harness:
+    """No hash settings: the index keys blocks by their token ids, whatever the
+    engines' seeds."""
     datastore = Datastore()
     datastore.replace_all(specs)
-    hasher = EngineHasher("sha256", seed, 16)
     precise = PreciseIndex(
-        PrefixIndex(1_000_000, {"gpu": 1.0, "cpu": 0.8}), hasher, AlignmentChecker(hasher), None
+        PrefixIndex(1_000_000, {"gpu": 1.0, "cpu": 0.8}),
+        16,
+        AlignmentChecker(16, clock=time.monotonic),
+        None,
     )
     subscriber = KVEventSubscriber(datastore, precise, settings, wall_clock=wall_clock)
-    return Harness(datastore, precise, subscriber, hasher)
+    return Harness(datastore, precise, subscriber)
+
+
+def engine_hash(value: int) -> int:
+    """An engine block hash as the index's map keeps it."""
+    return value & HASH_MASK
+
+
+def block_tokens(engine_hash: int, block_size: int = 16) -> list[int]:
+    """Token ids for the block the hand-written events call `engine_hash`: distinct
+    per hash, so distinct hashes give distinct keys."""
+    base = (engine_hash * block_size) % (1 << 31)
+    return [base + i for i in range(block_size)]
 
 
 def batch(*events: dict[str, Any], rank: int = 0, ts: float | None = None) -> bytes:
@@ -108,12 +136,16 @@ def batch(*events: dict[str, Any], rank: int = 0, ts: float | None = None) -> by
     return msgspec.msgpack.encode([time.time() if ts is None else ts, list(events), rank])
 
 
-def stored(hashes: list[int], parent: int | None = None, medium: str = "GPU") -> dict[str, Any]:
+def stored(
+    hashes: list[int], parent: int | None = None, medium: str = "GPU", tokens: bool = True
+) -> dict[str, Any]:
+    """A BlockStored of blocks with made-up tokens (`block_tokens`), or none (an
+    offload connector's event)."""
     return {
         "type": "BlockStored",
         "block_hashes": hashes,
         "parent_block_hash": parent,
-        "token_ids": [],  # not checked by the alignment check
+        "token_ids": [t for h in hashes for t in block_tokens(h)] if tokens else [],
         "block_size": 16,
         "lora_id": None,
         "medium": medium,

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from epp.kvindex.events import (
+    HASH_MASK,
     REJECT_BAD_EVENT,
     REJECT_BAD_HASH,
     REJECT_BAD_PAYLOAD,
@@ -24,12 +25,13 @@ from epp.kvindex.events import (
 from tests.testdata import load_json
 
 MASK64 = (1 << 64) - 1
+MASK60 = (1 << 60) - 1  # the decoder keeps an engine hash's low 60 bits
 
 
 def _golden_keys() -> list[int]:
     golden = load_json("vllm/block_hashes.json")
     (vector,) = [v for v in golden["vectors"] if v["algo"] == "sha256_cbor"]
-    return [b["event_uint64"] for b in vector["blocks"]]
+    return [b["event_uint64"] & MASK60 for b in vector["blocks"]]
 
 
 def _vectors() -> list[dict[str, Any]]:
@@ -68,15 +70,16 @@ def test_golden_payloads_decode_to_the_same_events() -> None:
             assert stored0.group_idx == 0
 
 
-def test_signed_hashes_are_masked_to_64_bits() -> None:
+def test_signed_hashes_are_read_as_unsigned_and_keep_their_low_60_bits() -> None:
     # Older engines publish Python hash() values: signed 64-bit ints.
     payload = msgspec.msgpack.encode(
         [1.0, [["BlockStored", [-1, -(1 << 63)], -2, [], 16, None]], 0]
     )
     (event,) = decode_batch(payload).events
     assert isinstance(event, BlockStored)
-    assert event.block_hashes == [MASK64, 1 << 63]
-    assert event.parent_block_hash == MASK64 - 1
+    assert event.block_hashes == [MASK64 & MASK60, (1 << 63) & MASK60]
+    assert event.parent_block_hash == (MASK64 - 1) & MASK60
+    assert HASH_MASK == MASK60
 
 
 @pytest.mark.parametrize("size", [8, 16, 32])
@@ -85,7 +88,7 @@ def test_bytes_hashes_give_their_last_8_bytes(size: int) -> None:
     payload = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [digest]}]])
     (event,) = decode_batch(payload).events
     assert isinstance(event, BlockRemoved)
-    assert event.block_hashes == [int.from_bytes(digest[-8:], "big")]
+    assert event.block_hashes == [int.from_bytes(digest[-8:], "big") & MASK60]
 
 
 def test_unknown_fields_and_trailing_elements_are_ignored() -> None:

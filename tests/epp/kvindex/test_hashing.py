@@ -1,4 +1,6 @@
-"""Request-side block keys against vectors computed with vLLM's own code."""
+"""The reference implementation of vLLM's block hashes (what the benchmarks and the
+tests use to publish engine-exact events) against vectors computed with vLLM's own
+code."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ import pytest
 
 from epp.kvindex.hashing import (
     DEFAULT_HASH_SEED,
+    EngineHashContext,
     EngineHasher,
-    HashContext,
     key_of,
 )
 from epp.tokenization.tokens import token_bytes, token_ids
@@ -52,40 +54,23 @@ def test_seeds_and_algorithms(algo: str, seed: str, expected: list[int]) -> None
 @pytest.mark.parametrize(
     ("fmt", "context", "expected"),
     [
-        ("plain", HashContext(cache_salt="salt-A"), 5868617810805868339),
-        ("tagged", HashContext(cache_salt="salt-A"), 9301669309045965076),
-        ("plain", HashContext(lora_name="my-lora"), 15444946753610453501),
+        ("plain", EngineHashContext(cache_salt="salt-A"), 5868617810805868339),
+        ("tagged", EngineHashContext(cache_salt="salt-A"), 9301669309045965076),
+        ("plain", EngineHashContext(lora_name="my-lora"), 15444946753610453501),
         (
             "tagged",
-            HashContext(lora_name="my-lora", lora_path="/adapters/my-lora"),
+            EngineHashContext(lora_name="my-lora", lora_path="/adapters/my-lora"),
             411323766930391962,
         ),
     ],
 )
-def test_extra_keys(fmt: str, context: HashContext, expected: int) -> None:
+def test_extra_keys(fmt: str, context: EngineHashContext, expected: int) -> None:
     hasher = EngineHasher("sha256_cbor", "0", 16, fmt)  # type: ignore[arg-type]
     keys = hasher.keys(TOKENS, context)
     assert keys[0] == expected
     if context.cache_salt:
         # The salt goes into block 0 only, but block 0's hash chains into the rest.
         assert keys[1:] != hasher.keys(TOKENS)[1:]
-
-
-def test_a_lora_request_is_not_hashable_in_the_tagged_format_without_its_path() -> None:
-    assert not HashContext(lora_name="a").hashable("tagged")
-    assert HashContext(lora_name="a").hashable("plain")
-    assert HashContext(lora_name="a", lora_path="/p").hashable("tagged")
-    assert HashContext(cache_salt="s").hashable("tagged")
-
-
-def test_only_full_blocks_count_and_keys_come_lazily() -> None:
-    hasher = EngineHasher("sha256", "0", 16)
-    blocks = hasher.prompt(token_bytes(list(range(1, 40))))  # 2 full blocks + 7 tokens
-    assert blocks.n_blocks == 2
-    assert blocks.keys == []
-    first = blocks.next_key()
-    assert blocks.keys == [first]
-    assert blocks.next_key() == hasher.keys(list(range(1, 33)))[1]
 
 
 def test_the_memo_gives_the_same_keys_and_skips_the_hashing() -> None:
@@ -99,19 +84,17 @@ def test_the_memo_gives_the_same_keys_and_skips_the_hashing() -> None:
 
 
 def test_the_memo_stays_bounded() -> None:
-    hasher = EngineHasher("sha256", "0", 4, memo_blocks=64, digest_keys=64)
+    hasher = EngineHasher("sha256", "0", 4, memo_blocks=64)
     for start in range(0, 4000, 4):
         hasher.keys(list(range(start, start + 8)))
     assert len(hasher._memo) <= 64
-    assert len(hasher._digests) <= 64
 
 
-def test_digests_of_computed_keys_are_remembered() -> None:
+def test_block_digests_chain_to_the_keys() -> None:
     hasher = EngineHasher("sha256", "0", 16)
-    keys = hasher.keys(TOKENS)
-    digest = hasher.digest_for_key(keys[1])
-    assert digest is not None
-    assert key_of(digest) == keys[1]
+    digests = hasher.block_digests(TOKENS)
+    assert [key_of(d) for d in digests] == hasher.keys(TOKENS)
+    assert hasher.digest(digests[0], tuple(TOKENS[16:32]), None) == digests[1]
 
 
 def test_token_bytes_round_trip_and_refuse_out_of_range_ids() -> None:
@@ -128,7 +111,7 @@ def test_unknown_algorithm() -> None:
 
 
 def test_the_memo_keeps_the_blocks_used_most_recently() -> None:
-    hasher = EngineHasher("sha256", "0", 4, memo_blocks=64, digest_keys=64)
+    hasher = EngineHasher("sha256", "0", 4, memo_blocks=64)
     hot = list(range(100_000, 100_004))
     for start in range(0, 2000, 4):
         hasher.keys(list(range(start, start + 4)))  # a long tail of one-off blocks

@@ -3,7 +3,7 @@ speculative entries and anchors."""
 
 from __future__ import annotations
 
-from epp.kvindex.hashing import EngineHasher
+from epp.kvindex.blockkeys import BlockKeys
 from epp.kvindex.index import PrefixIndex, Tier
 from epp.kvindex.lookup import common_blocks, longest_prefix
 from epp.kvindex.speculative import SpeculativeIndex
@@ -20,8 +20,8 @@ class Clock:
         return self.now
 
 
-def setup(slots: int = 3) -> tuple[EngineHasher, PrefixIndex, list[int], Tier, Tier]:
-    hasher = EngineHasher("sha256", "0", BS)
+def setup(slots: int = 3) -> tuple[BlockKeys, PrefixIndex, list[int], Tier, Tier]:
+    hasher = BlockKeys(BS)
     index = PrefixIndex(10_000, {"gpu": 1.0, "cpu": 0.8})
     gpu, cpu = index.tier("gpu"), index.tier("cpu")
     assert gpu is not None
@@ -62,7 +62,7 @@ def test_only_candidates_are_considered_and_hashing_stops_early() -> None:
     prompt = list(range(1, 401))  # 100 blocks
     keys = hasher.keys(prompt)
     index.store(a, gpu, keys)
-    fresh = EngineHasher("sha256", "0", BS)
+    fresh = BlockKeys(BS)
     match = longest_prefix(index, fresh.prompt(token_bytes(prompt)), mask(b))
     assert match.blocks == {b: 0}
     assert fresh.computed == 1  # block 0 missed: nothing else hashed
@@ -133,7 +133,7 @@ def test_an_anchor_extends_a_sibling_without_hashing_the_rest() -> None:
     spec.record([b], match.keys[: match.stop], match.keys[0], first_blocks.data, 0,
                 first_blocks.n_blocks * first_blocks.block_bytes)  # fmt: skip
     # The sibling shares 50 blocks with it: b gets them, with one block hashed.
-    fresh = EngineHasher("sha256", "0", BS)
+    fresh = BlockKeys(BS)
     match = longest_prefix(index, fresh.prompt(token_bytes(sibling)), mask(a, b), spec)
     assert match.blocks == {a: 0, b: 50}
     assert match.speculative_hits == 1
