@@ -41,6 +41,18 @@ def _cpu_model() -> str | None:
     return None
 
 
+def portable_path(path: Path) -> str:
+    """`path` as a results file records it: relative to the checkout when it lies in
+    it or beside it (the shared test data), else only its name, so that a results
+    file names no directory of the machine it was made on."""
+    # Not resolved: a symbolic link to the shared data stays the name it is used by.
+    absolute = Path(os.path.normpath(path.absolute()))
+    for base, prefix in ((ROOT, ""), (ROOT.parent, "../")):
+        if absolute.is_relative_to(base):
+            return prefix + absolute.relative_to(base).as_posix()
+    return absolute.name
+
+
 def provenance(command: str) -> dict[str, Any]:
     """`command`, the git commit (and whether tracked files other than committed
     results differed from it: a run that rewrites docs/results/ measured the same

@@ -53,7 +53,7 @@ from tqdm import tqdm
 from bench.bounds import Bounds, compute_bounds
 from bench.client import Arrivals, Record, RunTiming, drive
 from bench.peers import PeerKind, ensure_peer_venv, parse_peer, start_peer
-from bench.provenance import provenance
+from bench.provenance import portable_path, provenance
 from bench.stack import (
     ROOT,
     EppPorts,
@@ -624,7 +624,7 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
             "time_scale": options.time_scale,
             "block_size": options.block_size,
             "num_gpu_blocks": options.num_gpu_blocks,
-            "tokenizer": str(options.tokenizer) if options.tokenizer else "builtin",
+            "tokenizer": portable_path(options.tokenizer) if options.tokenizer else "builtin",
             "sim_args": options.fleet_args(),
             "epp_args": options.epp_args,
             "envoy": "manifests/envoy/envoy.yaml",

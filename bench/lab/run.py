@@ -41,7 +41,7 @@ from bench.lab.workload import (
     from_workload,
     trace_workload,
 )
-from bench.provenance import provenance
+from bench.provenance import portable_path, provenance
 from bench.runner import PodCounters, resolve_policy, summarize
 from bench.stack import ROOT
 from bench.stats import ci95, percentile
@@ -597,7 +597,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
             "latency_model": asdict(fleet.latency),
             "delays": fleet.delays.to_json(),
             "epp_replicas": fleet.epp_replicas,
-            "tokenizer": str(options.tokenizer) if options.tokenizer else "builtin",
+            "tokenizer": portable_path(options.tokenizer) if options.tokenizer else "builtin",
         },
         "workload": first.describe(),
         "oracle": bounds.to_json() if bounds is not None else None,

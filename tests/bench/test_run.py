@@ -417,3 +417,16 @@ def test_repeats_through_envoy_and_the_epp(tmp_path: Path) -> None:
     for name in files:
         assert len((tmp_path / name).read_text().splitlines()) == 12
     assert "±" in (tmp_path / "report.md").read_text()
+
+
+def test_results_name_the_tokenizer_without_the_machines_directories() -> None:
+    from bench.provenance import ROOT, portable_path
+
+    assert portable_path(ROOT / "bench" / "traces") == "bench/traces"
+    assert portable_path(ROOT / ".." / "shared" / "testdata" / "tokenizers" / "qwen2_5") == (
+        "../shared/testdata/tokenizers/qwen2_5"
+    )
+    # Anywhere else: only the directory's name (unless the checkout's parent is /).
+    elsewhere = Path(ROOT.anchor) / "no-such-models-dir" / "qwen"
+    if ROOT.parent != Path(ROOT.anchor):
+        assert portable_path(elsewhere) == "qwen"
