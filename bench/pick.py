@@ -49,7 +49,6 @@ from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.kvindex.alignment import AlignmentChecker
 from epp.kvindex.events import HASH_MASK, BlockStored, EventBatch, decode_batch
-from epp.kvindex.hashing import EngineHasher
 from epp.kvindex.index import PrefixIndex
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
 from epp.kvindex.service import PrecisePrefixService
@@ -61,6 +60,7 @@ from epp.scheduling.types import ResponseInfo
 from epp.telemetry import Telemetry
 from epp.tokenization.tokenizer import PromptTokenizer
 from epp.tokenization.tokens import token_bytes, token_ids
+from sim.hashing import BlockHasher, to_event_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT.parent / "shared" / "testdata" / "tokenizers" / "qwen2_5"
@@ -207,9 +207,9 @@ class Texts:
         return str(self.tokenizer._model.decode(ids))
 
 
-def _engine_event(hasher: EngineHasher, tokens: list[int]) -> dict[str, Any]:
+def _engine_event(hasher: BlockHasher, tokens: list[int]) -> dict[str, Any]:
     """A BlockStored event as vLLM (>= 0.24) publishes it for a prompt's full blocks."""
-    keys = hasher.keys(tokens)
+    keys = [to_event_hash(d) for d in hasher.block_hashes(tokens)]
     size = hasher.block_size
     return {
         "type": "BlockStored",
@@ -231,7 +231,7 @@ def _payload(*events: dict[str, Any]) -> Any:
 
 
 def _fill(
-    sinks: list[StreamIndex], hasher: EngineHasher, rng: random.Random, blocks_per_pod: int
+    sinks: list[StreamIndex], hasher: BlockHasher, rng: random.Random, blocks_per_pod: int
 ) -> None:
     """Give every pod `blocks_per_pod` blocks of random prompts, through ingestion."""
     for sink in sinks:
@@ -265,7 +265,7 @@ async def _setup(pods: int) -> PickSetup:
     # The subscriber is not started: the pods' streams are fed by hand, through the
     # same ingestion path as live events.
     sinks = [service.precise.add_stream(e, 0) for e in datastore.all_endpoints()]
-    hasher = EngineHasher("sha256", "0", 16)
+    hasher = BlockHasher("sha256", "0", 16)
     _fill(sinks, hasher, random.Random(7), 4096)  # 16 x 4096 blocks of other prompts
     texts = Texts(tokenizer)
     # A 2,000-token system prompt, cached on two pods (the rendered prefix).
@@ -375,7 +375,7 @@ async def measure_pick(pods: int, iterations: int, warmup: int) -> dict[str, Any
 
 
 def _ingest_payloads(
-    hasher: EngineHasher, rng: random.Random, batches: int
+    hasher: BlockHasher, rng: random.Random, batches: int
 ) -> tuple[list[bytes], int]:
     """Engine-like batches: a 16-block BlockStored (256 tokens) per step, and a
     16-block BlockRemoved every other step."""
@@ -402,7 +402,7 @@ async def measure_ingestion(batches: int) -> dict[str, Any]:
     decode, apply, sampled alignment check), without the socket: what the event loop
     spends per message, on one core (process CPU time)."""
     rng = random.Random(3)
-    payloads, blocks = _ingest_payloads(EngineHasher("sha256", "0", 16), rng, batches)
+    payloads, blocks = _ingest_payloads(BlockHasher("sha256", "0", 16), rng, batches)
     out: dict[str, Any] = {"batches": batches, "blocks": blocks}
     for name, check in (("alignment_check_on", True), ("alignment_check_off", False)):
         precise = PreciseIndex(

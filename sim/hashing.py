@@ -8,14 +8,16 @@ A KV block is identified by a chained hash over full blocks of token ids:
 with `NONE_HASH = H(seed)`. `H` follows vLLM's `--prefix-caching-hash-algo`:
 
 - `sha256` (vLLM's default since 0.10.2): SHA-256 of `pickle.dumps(obj, protocol=5)`;
-- `sha256_cbor`: SHA-256 of the canonical CBOR encoding of `obj` (the cross-language one).
+- `sha256_cbor`: SHA-256 of the canonical CBOR encoding of `obj` (the cross-language one);
+- `xxhash`, `xxhash_cbor`: XXH3-128 of the same two serialisations (16 bytes).
 
-Both return the 32-byte digest, which chains into the next block. KV events carry, by
+The digest chains into the next block. KV events carry, by
 default, the unsigned 64-bit integer made of the digest's last 8 bytes (big-endian);
 `to_event_hash` does that.
 
 The seed is `PYTHONHASHSEED` when it is set, else the fixed string `"vllm-none-hash"`
-(vLLM >= 0.29; older versions drew a random seed per process).
+(vLLM >= 0.29 for the sha256 algorithms; older versions, and the xxhash ones, draw a
+random seed per process: give the simulator `--hash-seed` to play such an engine).
 
 Extra keys (`extra_keys_i`) are `None` unless the block carries something besides its
 tokens. The simulator has no LoRA and no multimodal inputs, so the only extra key is
@@ -36,9 +38,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import cbor2
+import xxhash
 
-HashAlgo = Literal["sha256", "sha256_cbor"]
-HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 ExtraKeysFormat = Literal["tagged", "plain"]
 EXTRA_KEYS_FORMATS: tuple[ExtraKeysFormat, ...] = ("tagged", "plain")
@@ -72,11 +75,23 @@ def _sha256_cbor(obj: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
+def _xxhash_pickle(obj: object) -> bytes:
+    return bytes(xxhash.xxh3_128_digest(_pickle_dumps(obj, 5)))
+
+
+def _xxhash_cbor(obj: object) -> bytes:
+    return bytes(xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True)))
+
+
 def digest_function(algo: HashAlgo) -> Callable[[object], bytes]:
     if algo == "sha256":
         return _sha256_pickle
     if algo == "sha256_cbor":
         return _sha256_cbor
+    if algo == "xxhash":
+        return _xxhash_pickle
+    if algo == "xxhash_cbor":
+        return _xxhash_cbor
     raise ValueError(f"unknown hash algorithm {algo!r} (expected one of {HASH_ALGOS})")
 
 

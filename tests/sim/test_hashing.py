@@ -62,6 +62,17 @@ def test_seeds(seed: str) -> None:
     assert [to_event_hash(h) for h in hashes] == SEEDED_EVENT_HASHES[seed]
 
 
+def test_xxhash_cbor() -> None:
+    # From the same vLLM-computed tables: xxhash_cbor over tokens 1..48, seed "0".
+    hashes = BlockHasher("xxhash_cbor", "0", 16).block_hashes(list(range(1, 49)))
+    assert [to_event_hash(h) for h in hashes] == [
+        882618318818381833,
+        12890060145260523405,
+        18288806581693545612,
+    ]
+    assert all(len(h) == 16 for h in hashes)  # XXH3-128
+
+
 def test_default_algo_unset_seed() -> None:
     hasher = BlockHasher("sha256", resolve_hash_seed({}), 16)
     assert [to_event_hash(h) for h in hasher.block_hashes(list(range(1, 49)))] == [

@@ -15,11 +15,10 @@ import pytest
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.kvindex.blockkeys import HashContext
 from epp.kvindex.events import HASH_MASK, decode_batch
-from epp.kvindex.hashing import EngineHashContext, EngineHasher
 from epp.kvindex.ingest import MAP_SLACK, StreamIndex
 from epp.kvindex.service import PrecisePrefixConfig, PrecisePrefixService
 from epp.tokenization.tokens import token_bytes
-from sim.hashing import BlockHasher, event_extra_keys
+from sim.hashing import BlockHasher, event_extra_keys, to_event_hash
 from sim.kv_events import BlockStored, EventBatchEncoder
 
 BS = 16
@@ -48,13 +47,9 @@ def random_seed() -> str:
 
 
 def digests(algo: str, seed: str, tokens: list[int], salt: str | None = None) -> list[bytes]:
-    """vLLM's full block digests: the simulator's hasher (sha256, sha256_cbor) or the
-    reference one (xxhash, xxhash_cbor), both checked against vLLM's vectors."""
-    if algo in ("sha256", "sha256_cbor"):
-        return BlockHasher(algo, seed, BS).block_hashes(tokens, salt)  # type: ignore[arg-type]
-    return EngineHasher(algo, seed, BS).block_digests(  # type: ignore[arg-type]
-        tokens, EngineHashContext(cache_salt=salt)
-    )
+    """vLLM's full block digests, from the simulator's hasher (checked against vLLM's
+    vectors)."""
+    return BlockHasher(algo, seed, BS).block_hashes(tokens, salt)  # type: ignore[arg-type]
 
 
 def feed(svc: PrecisePrefixService, endpoint: Endpoint, payload: bytes) -> StreamIndex:
@@ -156,7 +151,9 @@ def test_engines_before_0_17_publish_no_salt_a_salted_request_never_matches_them
     never gets credit for them (its block 0 key has the salt); an unsalted request
     may match blocks a salted request left there (the documented asymmetry)."""
     svc, a, _ = service()
-    hashes = [h & HASH_MASK for h in EngineHasher("sha256", "0", BS).keys(TOKENS)]
+    hashes = [
+        to_event_hash(d) & HASH_MASK for d in BlockHasher("sha256", "0", BS).block_hashes(TOKENS)
+    ]
     feed(svc, a, payload(old_engine_event(hashes, TOKENS)))
     assert score(svc, a, TOKENS, cache_salt="tenant-1") == 0.0
     assert score(svc, a, TOKENS) == 1.0
