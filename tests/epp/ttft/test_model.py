@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pairs
+from epp.ttft.model import (
+    FEATURES,
+    OnlineTtftModel,
+    TtftFeatures,
+    attention_pairs,
+    non_negative,
+)
 
 
 def _fleet(rng: random.Random) -> tuple[TtftFeatures, float]:
@@ -63,6 +69,46 @@ def test_an_outlier_moves_it_little_and_weights_stay_physical() -> None:
     for _ in range(200):
         model.observe(TtftFeatures(0.0, 4000, 0.0, 0).vector(), 0.0)
     assert all(w >= 0.0 for w in model.weights)
+
+
+def test_a_negative_weight_is_fixed_at_zero_and_the_others_take_its_share() -> None:
+    # Two correlated weights, the second negative: least squares with it at 0 moves
+    # the first by cov / var of the second times its value.
+    assert non_negative([1.0, -1.0], [[1.0, 0.5], [0.5, 1.0]]) == pytest.approx([1.5, 0.0])
+    # Uncorrelated: the others stay as they are.
+    assert non_negative([1.0, -1.0], [[1.0, 0.0], [0.0, 1.0]]) == pytest.approx([1.0, 0.0])
+    # Fixing one can make another negative: it is fixed too.
+    assert non_negative(
+        [0.1, -1.0, 2.0], [[1.0, -0.9, 0.0], [-0.9, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    ) == (pytest.approx([0.0, 0.0, 2.0]))
+
+
+def test_predictions_stay_unbiased_when_the_fit_wants_a_negative_weight() -> None:
+    """Prompts alike (the same cached prefix, uncached tokens in a narrow range): the
+    attention pairs move with the uncached tokens, and a fleet whose cost grows
+    less than linearly makes least squares give attention a negative weight.
+    Predictions with that weight merely clamped would be too high by its share;
+    the constrained weights keep them right on average."""
+    rng = random.Random(11)
+
+    def request() -> tuple[TtftFeatures, float]:
+        cached = rng.choice((3800, 4000, 4200))
+        uncached = rng.randint(300, 700)
+        pairs = attention_pairs(uncached, cached)
+        ttft = 0.012 + 0.045e-3 * uncached - 4e-3 * pairs / 1e6
+        return TtftFeatures(0.0, uncached, pairs, 0), ttft * rng.uniform(0.9, 1.1)
+
+    model = OnlineTtftModel()
+    for _ in range(800):
+        features, ttft = request()
+        model.observe(features.vector(), ttft)
+    assert model._fit[FEATURES.index("attention")] < 0.0  # the premise
+    assert model.describe()["attention"] == 0.0
+    errors = []
+    for _ in range(400):
+        features, ttft = request()
+        errors.append(model.predict(features.vector()) / ttft - 1.0)
+    assert abs(sum(errors) / len(errors)) < 0.03
 
 
 def test_bad_settings_are_refused() -> None:
