@@ -55,6 +55,7 @@ from epp.kvindex.service import PrecisePrefixService
 from epp.kvindex.subscriber import KVEventStream, SubscriberSettings
 from epp.logs import LogOnce
 from epp.requests import parse_request
+from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo
 from epp.telemetry import Telemetry
@@ -442,12 +443,20 @@ async def measure_configs(names: list[str], pods: int, iterations: int) -> dict[
     them alike; the first 16 x 4 requests of each warm its prefix index."""
     rng = random.Random(3)
     systems = [" ".join(rng.choice(WORDS) for _ in range(2000)) for _ in range(16)]
+    # The requests' model gets the local tokenizer, as `epp serve --tokenizer-dir`
+    # gives it (the shipped precise profiles fetch each model's from the Hub).
+    local = (("m", str(QWEN)),) if (QWEN / "tokenizer.json").is_file() else ()
     directors = {}
     for name in names:
         datastore = Datastore()
         datastore.replace_all(EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000") for i in range(pods))
         text = (ROOT / "manifests" / "config" / f"{name}.yaml").read_text()
-        config = load_config(text, PluginRegistry.from_entry_points(), datastore=datastore)
+        config = load_config(
+            text,
+            PluginRegistry.from_entry_points(),
+            datastore=datastore,
+            settings=ServerSettings(tokenizer_dirs=local),
+        )
         directors[name] = Director(datastore, config, Telemetry(datastore))
     samples: dict[str, list[float]] = {name: [] for name in names}
     warmup = 64

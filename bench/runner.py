@@ -162,6 +162,13 @@ class RunOptions:
     # Runs of every policy per rung, each from cold, the order alternating.
     repeats: int = 1
 
+    def epp_flags(self) -> list[str]:
+        """`epp serve`'s flags: the simulator's model gets the pods' own tokenizer
+        (the shipped profiles fetch each model's from the Hugging Face Hub, and
+        `sim-model` is none), then the user's flags."""
+        local = ["--tokenizer-dir", f"{MODEL}={self.tokenizer}"] if self.tokenizer else []
+        return local + list(self.epp_args)
+
     def fleet_args(self) -> list[str]:
         args = ["--time-scale", repr(self.time_scale), "--block-size", str(self.block_size)]
         if self.tokenizer is not None:
@@ -467,7 +474,7 @@ def data_path(policy: Policy, options: RunOptions, workdir: Path) -> Iterator[Da
         pods = read_endpoints(endpoints)
         if policy.kind == "epp":
             ports = EppPorts.free()
-            epp = start_epp(endpoints, workdir, ports, policy.config, options.epp_args)
+            epp = start_epp(endpoints, workdir, ports, policy.config, options.epp_flags())
             stack.callback(epp.stop)
             listen = free_port()
             envoy = start_envoy(

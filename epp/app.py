@@ -88,6 +88,9 @@ class ServeOptions:
     refresh_metrics_interval_s: float = defaults.REFRESH_METRICS_INTERVAL.seconds
     metrics_staleness_threshold_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds
     metrics_scrape_timeout_s: float = defaults.METRICS_SCRAPE_TIMEOUT.seconds
+    # --tokenizer-dir: (model, directory) pairs, in place of the config's tokenizers
+    # for those models (ServerSettings.tokenizer_dirs).
+    tokenizer_dirs: tuple[tuple[str, str], ...] = ()
     # How often the --config file is checked for a new version (0: never).
     config_reload_interval_s: float = defaults.CONFIG_RELOAD_INTERVAL.seconds
     # A replaced config's background tasks stop when its last request ends, or
@@ -240,6 +243,7 @@ class EppApp:
             refresh_metrics_interval_s=o.refresh_metrics_interval_s,
             metrics_staleness_threshold_s=o.metrics_staleness_threshold_s,
             metrics_scrape_timeout_s=o.metrics_scrape_timeout_s,
+            tokenizer_dirs=o.tokenizer_dirs,
         )
 
         def build(registry: CollectorRegistry) -> SchedulingConfig:

@@ -96,6 +96,13 @@ def _duration_or_zero(text: str) -> float:
     return value
 
 
+def _tokenizer_dir(text: str) -> tuple[str, str]:
+    model, sep, directory = text.partition("=")
+    if not sep or not model or not directory:
+        raise argparse.ArgumentTypeError(f"expected MODEL=DIR, got {text!r}")
+    return model, directory
+
+
 def _selector(text: str) -> dict[str, str]:
     try:
         return parse_selector_flag(text)
@@ -167,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="after a reload, the old config's background tasks stop when its last request"
         " ends, or after this long",
+    )
+    cfg.add_argument(
+        "--tokenizer-dir",
+        dest="tokenizer_dirs",
+        type=_tokenizer_dir,
+        action="append",
+        metavar="MODEL=DIR",
+        help="the tokenizer of MODEL's requests (and its adapters') is the local directory"
+        " DIR (tokenizer.json, tokenizer_config.json), in place of what the"
+        " precise-prefix-cache-scorer's tokenizers say for MODEL; repeatable",
     )
     src = serve.add_argument_group(
         "endpoints (exactly one source: --endpoints-file, or Kubernetes: --pool-name, or"
@@ -435,6 +452,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         refresh_metrics_interval_s=args.refresh_metrics_interval,
         metrics_staleness_threshold_s=args.metrics_staleness_threshold,
         metrics_scrape_timeout_s=args.metrics_scrape_timeout,
+        tokenizer_dirs=tuple(args.tokenizer_dirs or ()),
         config_reload_interval_s=args.config_reload_interval,
         config_drain_timeout_s=args.config_drain_timeout,
         shutdown_grace_s=args.shutdown_grace,

@@ -49,7 +49,13 @@ from epp.scheduling import (
 def precise_prefix_service(
     params: PrecisePrefixConfig, context: ServiceContext
 ) -> PrecisePrefixService:
-    return PrecisePrefixService(params, context.datastore, name=context.name, clock=context.clock)
+    return PrecisePrefixService(
+        params,
+        context.datastore,
+        name=context.name,
+        clock=context.clock,
+        local_tokenizers=context.settings.tokenizer_dirs,
+    )
 
 
 class PrecisePrefixCacheScorer:

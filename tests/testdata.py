@@ -5,6 +5,7 @@ that need it skip, saying why, where the repository is checked out without it.""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,21 @@ def load_json(relative: str) -> Any:
 def qwen_dir() -> Path:
     testdata_file("tokenizers/qwen2_5/tokenizer.json")
     return QWEN_DIR
+
+
+def hub_cache(cache: Path, repo_id: str, commit: str = "1" * 40) -> Path:
+    """The Qwen2.5 tokenizer as `repo_id` in the Hugging Face Hub's cache layout under
+    `cache`, as `hf download` leaves it (models--Org--Name/{refs/main,
+    snapshots/<commit>/...}): its snapshot folder."""
+    source = qwen_dir()
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
 
 
 def token_range(spec: str) -> list[int]:

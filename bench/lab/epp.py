@@ -39,6 +39,7 @@ from epp.errors import EppError
 from epp.kvindex.events import decode_batch
 from epp.kvindex.service import PrecisePrefixService
 from epp.requests import parse_request
+from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo, Usage
 from epp.telemetry import Telemetry
@@ -106,7 +107,10 @@ class LabEpp:
         delays: Delays,
         seed: int,
         registry: PluginRegistry,
+        tokenizer_dirs: Sequence[tuple[str, str]] = (),
     ) -> None:
+        """`tokenizer_dirs`: (model, directory) pairs, as `epp serve --tokenizer-dir`
+        gives them (the pods' tokenizer for their model)."""
         self.loop = loop
         self.delays = delays
         self.pods = list(pods)
@@ -122,6 +126,7 @@ class LabEpp:
             datastore=self.datastore,
             clock=loop.clock,
             seed=seed,
+            settings=ServerSettings(tokenizer_dirs=tuple(tokenizer_dirs)),
         )
         self.director = Director(self.datastore, self.config, telemetry, clock=loop.clock)
         self.precise = [

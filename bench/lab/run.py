@@ -33,6 +33,7 @@ from bench.lab.loop import EventLoop
 from bench.lab.peers import DynamoKv, SglangCacheAware
 from bench.lab.pod import LabPod
 from bench.lab.workload import (
+    MODEL,
     LabSession,
     LabTurn,
     LabWorkload,
@@ -443,18 +444,21 @@ class LabPolicy:
             return {"kind": "model", "model": self.name}
         return {"kind": "epp", "config": str(self.config.resolve().relative_to(ROOT))}
 
-    def router_factory(self, registry: PluginRegistry) -> RouterFactory:
+    def router_factory(self, registry: PluginRegistry, tokenizer: Path | None) -> RouterFactory:
+        """`tokenizer`: the pods' (None: the simulator's built-in one), which the
+        EPP uses for their model, as `bench run` does (`--tokenizer-dir`)."""
         if self.config is None:
             return PEER_MODELS[self.name]
         text = self.config.read_text(encoding="utf-8")
         source = str(self.config)
+        local = ((MODEL, str(tokenizer)),) if tokenizer is not None else ()
 
         def make(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
             # Replica r draws from its own seed; replica 0 from the run's, so one
             # replica is exactly the single EPP.
             return EppRouter(
                 [
-                    LabEpp(text, source, pods, loop, fleet.delays, seed + 7919 * r, registry)
+                    LabEpp(text, source, pods, loop, fleet.delays, seed + 7919 * r, registry, local)
                     for r in range(fleet.epp_replicas)
                 ]
             )
@@ -554,7 +558,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
     if options.burst > 1 and arrival_rate is None:
         raise ValueError("bursts shape Poisson arrivals; a trace keeps its own timestamps")
     bounds = _bounds(first, words, options.fleet)
-    factories = {p.name: p.router_factory(registry) for p in policies}
+    factories = {p.name: p.router_factory(registry, options.tokenizer) for p in policies}
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in policies}
     total = len(policies) * len(options.seeds)
     with tqdm(total=total, disable=not options.progress, unit="run") as bar:

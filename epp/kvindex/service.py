@@ -49,7 +49,13 @@ from epp.kvindex.subscriber import KVEventSubscriber, SubscriberSettings
 from epp.kvindex.telemetry import PrecisePrefixCollector
 from epp.logs import LogOnce
 from epp.requests import InferenceRequest
-from epp.tokenization.models import LoraAdapter, TokenizerRegistry, TokenizerSource
+from epp.tokenization.models import (
+    ANY_MODEL,
+    SAME_AS_MODEL,
+    LoraAdapter,
+    TokenizerRegistry,
+    TokenizerSource,
+)
 from epp.tokenization.prompts import Unsupported, prompt_tokens, token_id_prompt
 
 log = logging.getLogger(__name__)
@@ -80,7 +86,9 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel")
 class TokenizerConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     model: str = "*"  # the request's model this tokenizer is for; "*" = any other
     path: str | None = None  # a directory with tokenizer.json (+ tokenizer_config.json)
-    hugging_face: str | None = None  # or a Hub model id, fetched at start-up
+    # Or a Hub model id, fetched at start-up; "*" (on the "*" entry): each request's
+    # model name is its Hub id, fetched when a request first names it.
+    hugging_face: str | None = None
     revision: str | None = None
 
 
@@ -106,8 +114,14 @@ class PrecisePrefixConfig(msgspec.Struct, forbid_unknown_fields=True, rename="ca
     speculative_indexing: bool = False
     speculative_ttl: Duration = msgspec.field(default="2s", name="speculativeTTL")
     tokenizers: list[TokenizerConfig] = []
+    # The Hub cache (its own layout; default: HF_HUB_CACHE, else HF_HOME/hub).
     tokenizers_cache_dir: str | None = None
+    # The cache only, never the network (as HF_HUB_OFFLINE=1, which also works).
     hugging_face_offline: bool = False
+    # With `huggingFace: "*"`: the most models whose tokenizer is fetched (the first
+    # ones requests name); others get no precise score. Bounds downloads and memory
+    # (each tokenizer: its vocabulary plus up to tokenizerCacheBytes of cache).
+    max_tokenizer_models: _Positive = 8
     lora_adapters: list[LoraAdapterConfig] = []
     # "error": a configured tokenizer directory that does not exist stops the start;
     # "fallback": its model gets no precise score (logged, and in /debug/endpoints).
@@ -133,6 +147,44 @@ class PrecisePrefixConfig(msgspec.Struct, forbid_unknown_fields=True, rename="ca
     # blocks, at least one). 0: no cap.
     max_prefix_blocks_to_match: Annotated[int, msgspec.Meta(ge=0)] = 8192
     max_prefix_tokens_to_match: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+_NO_TOKENIZER = {
+    "no-tokenizer": "no tokenizer is configured for it (add it to tokenizers, or a '*' entry)",
+    "model-limit": "maxTokenizerModels other models already have their Hub tokenizer (raise"
+    " it, or give this model an entry of its own in tokenizers)",
+}
+
+
+def _check_tokenizer(tokenizer: TokenizerConfig) -> None:
+    if (tokenizer.path is None) == (tokenizer.hugging_face is None):
+        raise ValueError(
+            f"tokenizers: model {tokenizer.model!r} needs exactly one of path and huggingFace"
+        )
+    if tokenizer.hugging_face == SAME_AS_MODEL:
+        if tokenizer.model != ANY_MODEL:
+            raise ValueError(
+                f"tokenizers: model {tokenizer.model!r}: huggingFace '*' (each model's own Hub"
+                " tokenizer) is for the model '*' entry; name the Hub model id here"
+            )
+        if tokenizer.revision is not None:
+            raise ValueError(
+                "tokenizers: model '*': a revision names one repository's; with huggingFace"
+                " '*' give the models that need one an entry of their own"
+            )
+
+
+def _tokenizer_sources(
+    configured: Sequence[TokenizerConfig], local: Sequence[tuple[str, str]]
+) -> list[TokenizerSource]:
+    """The config's tokenizers, with the local directories given on the command line
+    in place of the entries of the same models (put first: they load first)."""
+    overridden = {model for model, _ in local}
+    return [TokenizerSource(model, path=directory) for model, directory in local] + [
+        TokenizerSource(t.model, t.path, t.hugging_face, t.revision)
+        for t in configured
+        if t.model not in overridden
+    ]
 
 
 @dataclass(slots=True)
@@ -183,6 +235,7 @@ _TOKENIZER_REASONS = {
     "no-tokenizer": "no_tokenizer",
     "loading": "tokenizer_loading",
     "failed": "tokenizer_failed",
+    "model-limit": "tokenizer_model_limit",
 }
 
 
@@ -195,8 +248,11 @@ class PrecisePrefixService:
         name: str = "precise-prefix",
         clock: Clock = SYSTEM_CLOCK,
         wall_clock: Clock = time.time,
+        local_tokenizers: Sequence[tuple[str, str]] = (),
     ) -> None:
         """Checks `config` and builds everything; starts nothing (`run` does).
+        `local_tokenizers`: (model, directory) pairs that win over the config's
+        entries for those models (`epp serve --tokenizer-dir`).
         Raises ValueError for a config that cannot work."""
         self.name = name
         self.config = config
@@ -204,11 +260,7 @@ class PrecisePrefixService:
         if not weights or any(not 0 < w <= 1 for w in weights.values()):
             raise ValueError("mediumWeights: every weight must be in (0, 1]")
         for tokenizer in config.tokenizers:
-            if (tokenizer.path is None) == (tokenizer.hugging_face is None):
-                raise ValueError(
-                    f"tokenizers: model {tokenizer.model!r} needs exactly one of path and"
-                    " huggingFace"
-                )
+            _check_tokenizer(tokenizer)
         self.keys = BlockKeys(config.block_size)
         self.speculative = (
             SpeculativeIndex(parse_duration(config.speculative_ttl), clock=clock)
@@ -240,10 +292,7 @@ class PrecisePrefixService:
             wall_clock=wall_clock,
         )
         self.tokenizers = TokenizerRegistry(
-            [
-                TokenizerSource(t.model, t.path, t.hugging_face, t.revision)
-                for t in config.tokenizers
-            ],
+            _tokenizer_sources(config.tokenizers, local_tokenizers),
             [LoraAdapter(a.name, a.base_model, a.path) for a in config.lora_adapters],
             cache_dir=config.tokenizers_cache_dir,
             offline=config.hugging_face_offline,
@@ -252,6 +301,7 @@ class PrecisePrefixService:
                 "cache_bytes": config.tokenizer_cache_bytes,
                 "inline_chars": config.inline_tokenize_chars,
             },
+            max_models=config.max_tokenizer_models,
         )
         missing = self.tokenizers.missing_directories()
         if missing and config.on_missing_tokenizer == "error":
@@ -261,7 +311,7 @@ class PrecisePrefixService:
             )
         for problem in missing:
             log.warning("%s: %s; its requests get no precise prefix score", name, problem)
-        if not config.tokenizers:
+        if not self.tokenizers.sources:
             log.warning(
                 "%s: no tokenizers configured: only prompts sent as token ids get a precise"
                 " prefix score",
@@ -277,15 +327,21 @@ class PrecisePrefixService:
     # -- lifecycle -------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Follow every endpoint's KV events, load the tokenizers and keep the index
-        swept, until cancelled."""
+        """Follow every endpoint's KV events, load the tokenizers (the configured
+        ones now, per-model Hub ones when first asked for) and keep the index swept,
+        until cancelled."""
+        tokenizers = self.tokenizers
         tasks = [
             asyncio.create_task(self.subscriber.run(), name=f"{self.name}: kv-events"),
             asyncio.create_task(self.precise.run_sweeper(), name=f"{self.name}: sweeper"),
-            asyncio.create_task(self.tokenizers.load(), name=f"{self.name}: tokenizers"),
+            asyncio.create_task(tokenizers.load(), name=f"{self.name}: tokenizers"),
+            asyncio.create_task(
+                tokenizers.fetch_on_demand(), name=f"{self.name}: per-model tokenizers"
+            ),
         ]
         try:
-            # The tokenizer loader ends once all are loaded; the others run on.
+            # The tokenizer loaders end once all are loaded (the per-model one at
+            # once without `huggingFace: "*"`); the others run on.
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -318,8 +374,7 @@ class PrecisePrefixService:
         if request.prompt is None:
             return None
         model = request.target_model or request.model
-        resolution = self.tokenizers.resolve(model)
-        adapter = resolution.adapter
+        adapter = self.tokenizers.adapter(model)
         context = HashContext(
             cache_salt=request.cache_salt,
             lora_name=adapter.name if adapter is not None else None,
@@ -327,15 +382,19 @@ class PrecisePrefixService:
         try:
             data = token_id_prompt(request)
             if data is None:
+                # Only now: resolving may queue a per-model Hub fetch, which a prompt
+                # of token ids does not need.
+                resolution = self.tokenizers.resolve(model)
                 tokenizer = resolution.tokenizer
                 if tokenizer is None:
                     reason = resolution.reason or "no-tokenizer"
                     return self._skip(
                         _TOKENIZER_REASONS.get(reason, "no_tokenizer"),
                         model,
-                        "no tokenizer is configured for it (add it to tokenizers, or a '*' entry)"
-                        if reason == "no-tokenizer"
-                        else f"its tokenizer is {reason} (see the tokenizers in /debug/endpoints)",
+                        _NO_TOKENIZER.get(
+                            reason,
+                            f"its tokenizer is {reason} (see the tokenizers in /debug/endpoints)",
+                        ),
                     )
                 data = await prompt_tokens(request, tokenizer, self.tokenizers.executor)
         except Unsupported as exc:

@@ -141,6 +141,9 @@ class ServerSettings:
     metrics_staleness_threshold_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds
     # --metrics-scrape-timeout: a scrape without an answer by then has failed.
     metrics_scrape_timeout_s: float = defaults.METRICS_SCRAPE_TIMEOUT.seconds
+    # --tokenizer-dir MODEL=DIR: (model, local tokenizer directory) pairs that win
+    # over the precise prefix scorers' configured tokenizers for those models.
+    tokenizer_dirs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,12 +3,16 @@
 Only the tokenizer's files are downloaded (`tokenizer.json`, `tokenizer_config.json`,
 `chat_template.jinja`/`.json`, `special_tokens_map.json`), into the Hub's cache
 layout under `cache_dir` (a volume shared by replicas works; files already there
-are used without a download). `offline=True` uses the cache only, as
-`HF_HUB_OFFLINE=1` does. A token for gated models comes from the usual place
-(`HF_TOKEN` or the Hub's token file); the EPP never handles it.
+are used without a download). `offline=True` uses the cache only.
 
-The download is blocking I/O: callers run it in a worker thread, at start-up, never
-on the pick path.
+Everything else is the Hub client's own, read from its environment when it is first
+imported, exactly as vLLM and `huggingface-cli` read it: `HF_HUB_OFFLINE=1` (the
+cache only, like `offline=True`), `HF_HOME` and `HF_HUB_CACHE` (the cache when
+`cache_dir` is not given), `HF_ENDPOINT` (a mirror), `HF_TOKEN` or the token file
+(gated models; the EPP never handles the token). None of it is re-implemented here.
+
+The download is blocking I/O: callers run it in a worker thread, never on the event
+loop.
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ TOKENIZER_FILES: Final = [
 
 
 class HubFetchError(Exception):
-    pass
+    """The tokenizer could not be fetched. `retryable`: trying again later may work
+    (the Hub was unreachable, the repository not found or gated yet); not when the
+    Hub is off (the cache will not change by itself) or the name is no model id."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def fetch_tokenizer(
@@ -36,10 +46,13 @@ def fetch_tokenizer(
     offline: bool = False,
 ) -> Path:
     """The local directory holding `repo_id`'s tokenizer files (downloading them
-    unless `offline`). Raises `HubFetchError`."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    unless `offline` or `HF_HUB_OFFLINE`). Raises `HubFetchError`."""
+    # Imported here: the import reads the Hub's environment and costs a few hundred
+    # milliseconds, which only a process that fetches should pay (in this thread).
+    from huggingface_hub import is_offline_mode, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
+    offline = offline or is_offline_mode()
     try:
         path = snapshot_download(
             repo_id,
@@ -48,13 +61,16 @@ def fetch_tokenizer(
             allow_patterns=TOKENIZER_FILES,
             local_files_only=offline,
         )
+    except HFValidationError as exc:
+        raise HubFetchError(f"{repo_id!r} is not a Hub model id: {exc}", retryable=False) from exc
     except LocalEntryNotFoundError as exc:
-        raise HubFetchError(
-            f"{repo_id}: not in the cache{' (offline)' if offline else ''}: {exc}"
-        ) from exc
+        where = "the cache (offline)" if offline else "the cache, and the Hub cannot be reached"
+        raise HubFetchError(f"{repo_id}: not in {where}: {exc}", retryable=not offline) from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise HubFetchError(f"{repo_id}: cannot download the tokenizer: {exc}") from exc
+        raise HubFetchError(
+            f"{repo_id}: cannot download the tokenizer: {exc}", retryable=not offline
+        ) from exc
     directory = Path(str(path))
     if not (directory / "tokenizer.json").is_file():
-        raise HubFetchError(f"{repo_id}: the repository has no tokenizer.json")
+        raise HubFetchError(f"{repo_id}: the repository has no tokenizer.json", retryable=False)
     return directory

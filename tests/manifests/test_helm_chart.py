@@ -25,6 +25,7 @@ import yaml
 from bench.stack import envoy_binary
 from epp.cli import build_parser, kube_options, serve_options
 from epp.config import SchedulingConfig, load_config
+from epp.kvindex.service import PrecisePrefixService
 from epp.scheduling.registry import PluginRegistry
 from tests.manifests.chart import (
     CHART,
@@ -46,6 +47,7 @@ from tests.manifests.example_plugin import example_src, registry_with_example
 POOL_LABELS: Final = {"app": "vllm-llama3-8b-instruct"}
 REQUIRED: Final[dict[str, Any]] = {"inferencePool": {"modelServers": {"matchLabels": POOL_LABELS}}}
 APPROX_PREFIX_YAML: Final = ROOT / "manifests" / "config" / "approx-prefix.yaml"
+PRECISE_PREFIX_YAML: Final = ROOT / "manifests" / "config" / "precise-prefix.yaml"
 
 # manifests/config/approx-prefix.yaml written as plain chart values.
 APPROX_PREFIX_VALUES: Final[dict[str, Any]] = {
@@ -145,6 +147,30 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
         },
     ),
     "scorer-weights": deep_merge(REQUIRED, APPROX_PREFIX_VALUES),
+    # The shipped precise profile, each model's tokenizer from the Hub through a
+    # cache filled beforehand (offline), a gated model's token, one local tokenizer.
+    "precise-hub-offline": deep_merge(
+        REQUIRED,
+        {
+            "inferenceExtension": {
+                "pluginsConfigFile": "precise-prefix.yaml",
+                "pluginsCustomConfig": {
+                    "precise-prefix.yaml": PRECISE_PREFIX_YAML.read_text(encoding="utf-8")
+                },
+                "kvEvents": {"port": 5557, "replayPort": 5558},
+                "huggingFace": {
+                    "cache": {"existingClaim": "hf-tokenizers", "readOnly": True},
+                    "offline": True,
+                    "token": {"secretName": "hf-token", "secretKey": "HF_TOKEN"},
+                },
+                "flags": {"tokenizer-dir": "my-model=/tokenizers/my-model"},
+            }
+        },
+    ),
+    "hub-cache-size-limit": deep_merge(
+        REQUIRED,
+        {"inferenceExtension": {"huggingFace": {"cache": {"sizeLimit": "2Gi"}}}},
+    ),
     "example-plugin": _example_values(),
     "selector-no-pool": deep_merge(
         REQUIRED,
@@ -292,6 +318,26 @@ def test_chart_metadata() -> None:
             {"inferencePool": {"modelServers": {"matchLabels": {"app": "not a label"}}}},
             "matchLabels",
             id="label value",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"huggingFace": {"cache": {"existingClam": "pvc"}}}},
+            "existingClam",
+            id="hub cache field",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"huggingFace": {"cache": {"sizeLimit": "lots"}}}},
+            "sizeLimit",
+            id="hub cache size",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"huggingFace": {"token": {"secretName": "HF Token"}}}},
+            "secretName",
+            id="hub token secret name",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"flags": {"tokenizer-dir": "/tokenizers/m"}}},
+            "tokenizer-dir",
+            id="tokenizer dir without a model",
         ),
     ],
 )
@@ -678,6 +724,54 @@ def _assert_locked_down(pod_spec: Obj, container: Obj, uid: int) -> None:
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert "privileged" not in sc or sc["privileged"] is False
+
+
+def _env(chart: Rendered) -> dict[str, Any]:
+    """The picker's environment: name -> value, or valueFrom."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in chart.epp_container["env"]}
+
+
+def _volume(chart: Rendered, name: str) -> tuple[Obj, Obj]:
+    """The picker pod's volume `name` and the container's mount of it."""
+    volume = next(v for v in chart.epp_pod["spec"]["volumes"] if v["name"] == name)
+    mount = next(m for m in chart.epp_container["volumeMounts"] if m["name"] == name)
+    return volume, mount
+
+
+def test_the_hub_cache_is_an_empty_dir_by_default() -> None:
+    """Each pod downloads the tokenizers it needs into a volume of its own; no
+    offline mode, no token."""
+    chart = rendered("default")
+    volume, mount = _volume(chart, "hf-cache")
+    assert volume == {"name": "hf-cache", "emptyDir": {}}
+    assert mount == {"name": "hf-cache", "mountPath": "/var/cache/huggingface/hub"}
+    env = _env(chart)
+    assert env["HF_HUB_CACHE"] == "/var/cache/huggingface/hub"
+    assert "HF_HUB_OFFLINE" not in env
+    assert "HF_TOKEN" not in env
+    sized, _ = _volume(rendered("hub-cache-size-limit"), "hf-cache")
+    assert sized["emptyDir"] == {"sizeLimit": "2Gi"}
+
+
+def test_the_hub_cache_on_a_claim_offline_with_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    chart = rendered("precise-hub-offline")
+    volume, mount = _volume(chart, "hf-cache")
+    assert volume["persistentVolumeClaim"] == {"claimName": "hf-tokenizers", "readOnly": True}
+    assert mount["readOnly"] is True
+    env = _env(chart)
+    assert env["HF_HUB_CACHE"] == mount["mountPath"]
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
+    # The picker is told where its one local tokenizer is, and loads the shipped
+    # profile without any I/O: each model's tokenizer comes from the cache on first use.
+    args = _serve_args(chart)
+    assert args.tokenizer_dirs == [("my-model", "/tokenizers/my-model")]
+    config = _load(_epp_config_text(chart), monkeypatch)
+    service = config.services["prefix"]
+    assert isinstance(service, PrecisePrefixService)
+    assert service.tokenizers.describe() == {
+        "*": "per model from the Hugging Face Hub (0 of at most 8 models)"
+    }
 
 
 def test_the_picker_runs_locked_down(chart: Rendered) -> None:

@@ -16,15 +16,18 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.app import EppApp
+from epp.cli import build_parser, serve_options
 from epp.config import InvalidConfig, load_config
+from epp.kvindex.service import PrecisePrefixService
 from epp.requests import parse_request
+from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo
 from sim.server import SimPod
 from sim.tokenizer import HFTokenizer, load_tokenizer
 from tests.epp.conftest import local_options
 from tests.sim.conftest import pod_config
-from tests.testdata import qwen_dir
+from tests.testdata import hub_cache, qwen_dir
 
 SYSTEM = "You are the support assistant of a large bookshop. " * 60  # ~700 tokens
 
@@ -122,6 +125,17 @@ class Fleet:
             assert asyncio.get_running_loop().time() < deadline, f"no blocks for {name}: {index}"
             await asyncio.sleep(0.02)
 
+    async def wait_tokenizer(self, model: str, state: str, timeout_s: float = 20.0) -> str:
+        """`model`'s tokenizer line in /debug/endpoints once it starts with `state`."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            entry = next(iter((await self.debug()).values()))
+            line: str = entry["index"]["tokenizers"].get(model, "")
+            if line.startswith(state):
+                return line
+            assert asyncio.get_running_loop().time() < deadline, entry["index"]["tokenizers"]
+            await asyncio.sleep(0.02)
+
     async def ready(self) -> None:
         """Tokenizers loaded and every stream connected."""
         deadline = asyncio.get_running_loop().time() + 10
@@ -129,8 +143,9 @@ class Fleet:
             entries = await self.debug()
             states = [e["index"]["state"] for e in entries.values() if "index" in e]
             tokenizers = next(iter(entries.values()))["index"]["tokenizers"]
+            # Per-model Hub tokenizers ("*": "per model ...") load on first use.
             if all(s == "live" for s in states) and all(
-                t.startswith(("ready", "failed")) for t in tokenizers.values()
+                t.startswith(("ready", "failed", "per model")) for t in tokenizers.values()
             ):
                 return
             assert asyncio.get_running_loop().time() < deadline, entries
@@ -146,8 +161,12 @@ async def start_fleet(tmp_path: Path, qwen_sim: HFTokenizer) -> AsyncIterator[St
     apps: list[EppApp] = []
 
     async def start(
-        config_text: str, names: tuple[str, ...] = ("a", "b", "c"), **pod_options: Any
+        config_text: str,
+        names: tuple[str, ...] = ("a", "b", "c"),
+        serve: dict[str, Any] | None = None,
+        **pod_options: Any,
     ) -> Fleet:
+        """`serve`: other `epp serve` options; `pod_options`: each pod's, by name."""
         pods = {}
         for name in names:
             options = pod_options.get(name, {})
@@ -173,7 +192,11 @@ async def start_fleet(tmp_path: Path, qwen_sim: HFTokenizer) -> AsyncIterator[St
         )
         app = EppApp(
             local_options(
-                endpoints, config_text=config_text, debug_endpoints=True, shutdown_grace_s=0.2
+                endpoints,
+                config_text=config_text,
+                debug_endpoints=True,
+                shutdown_grace_s=0.2,
+                **(serve or {}),
             )
         )
         await app.start()
@@ -332,9 +355,9 @@ async def test_picks_probe_the_tokenization_and_the_engine_confirms_it(
     assert sum(p["missed"] for p in probes) == 0
     entries = await fleet.debug()
     assert {e["index"]["tokenizationAgreement"] for e in entries.values()} <= {True, None}
-    probes = "epp_kv_tokenization_probes_total"
+    metric = "epp_kv_tokenization_probes_total"
     confirmed = [
-        await fleet.metric(probes, {"endpoint": n, "result": "confirmed"}) for n in ("a", "b")
+        await fleet.metric(metric, {"endpoint": n, "result": "confirmed"}) for n in ("a", "b")
     ]
     assert sum(confirmed) == 3
 
@@ -419,6 +442,12 @@ def test_a_missing_tokenizer_is_a_startup_error(tmp_path: Path) -> None:
         ({"blockSize": 0}, "blockSize"),
         ({"mediumWeights": {"gpu": 2.0}}, "mediumWeights"),
         ({"tokenizers": [{"model": "*"}]}, "exactly one of path and huggingFace"),
+        ({"tokenizers": [{"model": "m", "huggingFace": "*"}]}, "is for the model '\\*' entry"),
+        (
+            {"tokenizers": [{"model": "*", "huggingFace": "*", "revision": "v1"}]},
+            "a revision names one repository's",
+        ),
+        ({"maxTokenizerModels": 0}, "maxTokenizerModels"),
         ({"kvEventsConfig": {"dpSize": 0}}, "dpSize"),
         ({"speculativeTTL": "soon"}, "speculativeTTL"),
         ({"kvEventsConfig": {"unknown": 1}}, "unknown"),
@@ -429,11 +458,111 @@ def test_bad_parameters_are_config_errors(parameters: dict[str, Any], message: s
         load_config(config(**parameters), PluginRegistry.from_entry_points())
 
 
-def test_the_example_config_is_valid() -> None:
-    path = Path(__file__).resolve().parents[2] / "manifests" / "config" / "precise-prefix.yaml"
-    qwen_dir()  # it points at the workspace's Qwen tokenizer
+@pytest.mark.parametrize("name", ["precise-prefix.yaml", "predicted-ttft-precise.yaml"])
+def test_the_shipped_precise_profiles_build_anywhere_without_io(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They name no directory: each model's tokenizer comes from the Hub when first
+    asked for, so they build from any working directory, without the test data."""
+    path = Path(__file__).resolve().parents[2] / "manifests" / "config" / name
+    monkeypatch.chdir(tmp_path)
     loaded = load_config(path.read_text(), PluginRegistry.from_entry_points())
-    assert "prefix" in loaded.plugins
+    service = loaded.services["prefix"]
+    assert isinstance(service, PrecisePrefixService)
+    assert service.tokenizers.describe() == {
+        "*": "per model from the Hugging Face Hub (0 of at most 8 models)"
+    }
+    # With the benchmark's flag, the simulator's model gets the local tokenizer.
+    local = load_config(
+        path.read_text(),
+        PluginRegistry.from_entry_points(),
+        settings=ServerSettings(tokenizer_dirs=(("sim-model", str(qwen_dir())),)),
+    )
+    service = local.services["prefix"]
+    assert isinstance(service, PrecisePrefixService)
+    assert set(service.tokenizers.describe()) == {"sim-model", "*"}
+
+
+async def test_each_models_hub_tokenizer_is_fetched_on_first_use(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    """`huggingFace: "*"`: the request's model is its Hub id (here from an offline
+    cache laid out by the Hub's client), fetched when first named; until then, and
+    for a model not in the cache, no precise score; past maxTokenizerModels, none
+    either, and the metric says why."""
+    hub_cache(tmp_path / "hub", "Org/Name")
+    fleet = await start_fleet(
+        config(
+            tokenizers=[{"model": "*", "huggingFace": "*"}],
+            tokenizersCacheDir=str(tmp_path / "hub"),
+            huggingFaceOffline=True,
+            maxTokenizerModels=2,
+        ),
+        names=("a", "b"),
+        a={"model": "Org/Name"},
+        b={"model": "Org/Name"},
+    )
+    body = {**chat("Where is my order?"), "model": "Org/Name"}
+    _, scores = await fleet.pick(body)
+    assert set(scores.values()) == {0.0}
+    skipped = "epp_precise_prefix_skipped_total"
+    assert await fleet.metric(skipped, {"reason": "tokenizer_loading"}) == 1
+    await fleet.wait_tokenizer("Org/Name", "ready")
+    await fleet.send("b", body)
+    await fleet.wait_blocks("b", 40)
+    picked, scores = await fleet.pick({**chat("Gift cards?"), "model": "Org/Name"})
+    assert picked == "b"
+    assert 0.9 < scores["b"] < 1.0
+    # Not in the cache: failed, said in /debug/endpoints; the other model still works.
+    await fleet.pick({**chat("hi"), "model": "Org/Absent"})
+    failed = await fleet.wait_tokenizer("Org/Absent", "failed")
+    assert "not in the cache (offline)" in failed
+    # Two models named already: a third one is not fetched.
+    _, scores = await fleet.pick({**chat("hi"), "model": "Org/Third"})
+    assert set(scores.values()) == {0.0}
+    assert await fleet.metric(skipped, {"reason": "tokenizer_model_limit"}) == 1
+    tokenizers = (await fleet.debug())["a"]["index"]["tokenizers"]
+    assert set(tokenizers) == {"*", "Org/Name", "Org/Absent"}
+    assert tokenizers["*"].endswith("(2 of at most 2 models)")
+    _, scores = await fleet.pick({**chat("Gift cards?"), "model": "Org/Name"})
+    assert scores["b"] > 0.9
+
+
+async def test_a_local_tokenizer_given_to_epp_serve_wins_over_the_config(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    """`epp serve --tokenizer-dir sim-model=DIR` (how the benchmark runs the shipped
+    profiles): that model's entry in the file is not used, not even checked."""
+    fleet = await start_fleet(
+        config(
+            tokenizers=[
+                {"model": "sim-model", "path": str(tmp_path / "absent")},
+                {"model": "*", "huggingFace": "*"},
+            ]
+        ),
+        names=("a", "b"),
+        serve={"tokenizer_dirs": (("sim-model", str(qwen_dir())),)},
+    )
+    assert (await fleet.debug())["a"]["index"]["tokenizers"] == {
+        "sim-model": "ready",
+        "*": "per model from the Hugging Face Hub (0 of at most 8 models)",
+    }
+    await fleet.send("b", chat("Where is my order?"))
+    await fleet.wait_blocks("b", 40)
+    picked, scores = await fleet.pick(chat("Gift cards?"))
+    assert picked == "b"
+    assert scores["b"] > 0.9
+
+
+def test_the_tokenizer_dir_flag() -> None:
+    parser = build_parser()
+    flags = ["--tokenizer-dir", "org/m=/t/m", "--tokenizer-dir", "x=y=z"]
+    args = parser.parse_args(["serve", "--endpoints-file", "e.yaml", *flags])
+    assert serve_options(args).tokenizer_dirs == (("org/m", "/t/m"), ("x", "y=z"))
+    assert serve_options(parser.parse_args(["serve", "--endpoints-file", "e"])).tokenizer_dirs == ()
+    for bad in ("model", "=dir", "model="):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--endpoints-file", "e", "--tokenizer-dir", bad])
 
 
 def test_the_engines_hash_settings_are_still_accepted_and_change_nothing() -> None:
@@ -442,5 +571,7 @@ def test_the_engines_hash_settings_are_still_accepted_and_change_nothing() -> No
     loaded = load_config(config(**compat), PluginRegistry.from_entry_points())
     plain = load_config(config(), PluginRegistry.from_entry_points())
     tokens = list(range(100, 164))
-    keys = [c.services["prefix"].keys.keys(tokens) for c in (loaded, plain)]
+    services = [c.services["prefix"] for c in (loaded, plain)]
+    keys = [s.keys.keys(tokens) for s in services if isinstance(s, PrecisePrefixService)]
+    assert len(keys) == 2
     assert keys[0] == keys[1]
