@@ -198,6 +198,7 @@ def event_extras(
     lora_name: str | None,
     lora_id: int | None,
     extra_keys: Sequence[object] | None,
+    cache_salt: str | None = None,
 ) -> list[bytes] | None:
     """The extras encoding of each of a BlockStored event's blocks, built from what
     the event says; None when no block has any (the common case).
@@ -210,7 +211,10 @@ def event_extras(
     event starts there: no parent) whose only key besides the adapter is one string.
     Anything else goes in as uninterpreted extras, so the block can never match a
     text prompt. Engines before 0.17 publish no extra keys: their blocks are keyed
-    with the adapter alone (see docs/precise-prefix.md for what that loses)."""
+    with the adapter alone (see docs/precise-prefix.md for what that loses).
+
+    `cache_salt` is SGLang's field for the salt (vLLM has none): with no extra keys,
+    it salts the event's first block when the event starts at the request's block 0."""
     base = b""
     if lora_name is not None:
         base = text_item(TAG_LORA, lora_name)
@@ -219,6 +223,8 @@ def event_extras(
         # blocks match nothing rather than count for the base model.
         base = extra_item(TAG_LORA_ID, str(lora_id).encode())
     if not extra_keys:
+        if cache_salt and starts_at_block_0 and n_blocks:
+            return [base + text_item(TAG_SALT, cache_salt)] + [base] * (n_blocks - 1)
         return [base] * n_blocks if base else None
     out: list[bytes] = []
     found = bool(base)

@@ -80,6 +80,9 @@ class BlockStored:
     group_idx: int | None = None
     # vLLM >= 0.26: "LOCAL" or "REMOTE" (a block held elsewhere); None before.
     locality: str | None = None
+    # SGLang names a request's salt in a field of its own (vLLM puts it in
+    # extra_keys); it applies to the request's first block.
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -161,6 +164,7 @@ def _event(raw: Any) -> Event:
                 raw[8] if len(raw) > 8 else None,
                 raw[9] if len(raw) > 9 else None,
                 None,  # locality is map-only (vLLM >= 0.26)
+                None,  # so is SGLang's cache_salt
             )
         if tag == "BlockRemoved":
             if len(raw) < 2:
@@ -188,6 +192,7 @@ def _event(raw: Any) -> Event:
                 get("extra_keys"),
                 get("group_idx"),
                 get("locality"),
+                get("cache_salt"),
             )
         if tag == "BlockRemoved":
             if "block_hashes" not in raw:
@@ -253,6 +258,7 @@ def _stored(
     extra_keys: object,
     group_idx: object,
     locality: object,
+    cache_salt: object,
 ) -> BlockStored:
     keys = _hashes(hashes)
     if type(tokens) is not list:
@@ -270,6 +276,7 @@ def _stored(
         extra_keys=_optional(extra_keys, list, "extra_keys"),
         group_idx=_optional(group_idx, int, "group_idx"),
         locality=_optional(locality, str, "locality"),
+        cache_salt=_optional(cache_salt, str, "cache_salt"),
     )
 
 

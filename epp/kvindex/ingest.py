@@ -258,12 +258,18 @@ class StreamIndex:
         if (
             event.lora_name is None
             and event.lora_id is None
+            and not event.cache_salt
             and (not extra_keys or extra_keys.count(None) == len(extra_keys))
         ):
             extras = None  # the common case: plain text, no adapter, no salt
         else:
             extras = event_extras(
-                n, parent_hash is None, event.lora_name, event.lora_id, event.extra_keys
+                n,
+                parent_hash is None,
+                event.lora_name,
+                event.lora_id,
+                event.extra_keys,
+                event.cache_salt,
             )
         keys = chain_keys(parent, data, size * TOKEN_BYTES, extras)
         if checker is not None:

@@ -146,6 +146,42 @@ def payload(*events: dict[str, Any]) -> bytes:
     return msgspec.msgpack.encode([1.0, list(events), 0])
 
 
+def sglang_event(
+    hashes: list[int], tokens: list[int], parent: int | None = None, salt: str | None = None
+) -> dict[str, Any]:
+    """A BlockStored as SGLang publishes it: map-encoded, the salt in a field of its
+    own, hashes signed 64-bit ints, no medium."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": None,
+        "cache_salt": salt,
+        "session_id": None,
+        "lora_name": None,
+    }
+
+
+def test_sglang_events_index_and_their_salt_field_keeps_tenants_apart() -> None:
+    svc, a, b = service()
+    rng = random.Random(5)
+    signed = [rng.randrange(-(2**63), 2**63) for _ in range(8)]
+    longer = TOKENS + list(range(9000, 9000 + 2 * BS))
+    # Pod a: a salted request, its first 6 blocks, then 2 more chained on them.
+    feed(svc, a, payload(sglang_event(signed[:6], TOKENS, salt="tenant-1")))
+    feed(svc, a, payload(sglang_event(signed[6:], longer[6 * BS :], signed[5])))
+    # Pod b: the same tokens unsalted, under other hashes.
+    feed(svc, b, payload(sglang_event([h ^ 1 for h in signed[:6]], TOKENS)))
+    assert score(svc, a, longer, cache_salt="tenant-1") == 1.0
+    assert score(svc, b, TOKENS, cache_salt="tenant-1") == 0.0
+    assert score(svc, a, TOKENS, cache_salt="tenant-2") == 0.0
+    assert score(svc, a, TOKENS) == 0.0
+    assert score(svc, b, TOKENS) == 1.0
+
+
 def test_engines_before_0_17_publish_no_salt_a_salted_request_never_matches_them() -> None:
     """Their events carry no extra keys: blocks are keyed unsalted. A salted request
     never gets credit for them (its block 0 key has the salt); an unsalted request
