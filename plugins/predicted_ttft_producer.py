@@ -37,7 +37,9 @@ and a request counts as queued until its end.
 
 Parameters: `prefixMatchInfoProducerName`; `forgetting` (0.995: the weight of an
 observation decays by this per later one, a memory of about 200 observations);
-`podAdaptRate` (0.05: how fast f(p) follows a pod's observed/predicted ratio).
+`podAdaptRate` (0.05: how fast f(p) follows a pod's observed/predicted ratio);
+`initialContinuingShare` (0.8: the share of requests assumed to continue an
+earlier one before any has been seen; 0 for traffic known to have no sessions).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
@@ -79,6 +81,17 @@ from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pa
 log = logging.getLogger(__name__)
 
 CONTINUING_RATE: Final = 1 / 64
+# Before any evidence, four requests in five are assumed to continue earlier ones
+# (a new session brings four more turns; `initialContinuingShare`), with the
+# weight of SHARE_PRIOR_REQUESTS requests. A cold EPP cannot tell a
+# conversation's first turn from an independent prompt, and the two mistakes
+# cost differently: assuming sessions where there are none spreads the first few
+# dozen requests a little more than needed (the share falls to 0.1 within 93
+# requests that continue nothing); assuming none where every request is a
+# conversation pins the first conversations, all their turns, to the few pods
+# that hold the system prompt (docs/routing.md, Sessions).
+SHARE_PRIOR: Final = 0.8
+SHARE_PRIOR_REQUESTS: Final = 16
 
 DEFAULT_PRODUCER: Final = "predicted-ttft-producer"
 DEFAULT_PREFIX_PRODUCER: Final = "approx-prefix-cache-producer"
@@ -190,6 +203,7 @@ class PredictedTtftProducer:
         prefix_match_info_producer_name: str = ""
         forgetting: Annotated[float, msgspec.Meta(gt=0.5, le=1.0)] = 0.995
         pod_adapt_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+        initial_continuing_share: Annotated[float, msgspec.Meta(ge=0.0, le=0.95)] = SHARE_PRIOR
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -205,9 +219,11 @@ class PredictedTtftProducer:
         self._warned_no_prefix = False
         # Moving average (over about 64 requests) of requests continuing an earlier
         # prompt: near 0 for independent prompts over shared prefixes, near
-        # (turns - 1) / turns for conversations. It starts at 0: a cold EPP picks
-        # greedily until sessions show.
-        self.continuing_share = 0.0
+        # (turns - 1) / turns for conversations. Until 64 requests have been seen
+        # it is the plain mean of the prior's pseudo-requests and the requests,
+        # so the prior fades as evidence comes, neither lingering nor lagging.
+        self.continuing_share = params.initial_continuing_share
+        self._share_samples = SHARE_PRIOR_REQUESTS
         context.datastore.add_listener(self._membership)
         registry = context.metrics
         self._error = shared(
@@ -315,9 +331,9 @@ class PredictedTtftProducer:
         endpoint = result.targets[0]
         info = cycle.get(self.prefix_key)
         if info is not None and info.total_blocks > 0:
-            self.continuing_share += CONTINUING_RATE * (
-                float(info.continues) - self.continuing_share
-            )
+            self._share_samples += 1
+            rate = max(CONTINUING_RATE, 1.0 / self._share_samples)
+            self.continuing_share += rate * (float(info.continues) - self.continuing_share)
         prediction = predictions.predict(endpoint)
         pod = self._pod(endpoint)
         # The request's own prefill joins the pod's queue: what later requests wait for.

@@ -47,6 +47,9 @@ class Fleet:
     """The two plugins on a virtual clock, driven as the director drives them."""
 
     def __init__(self, datastore: Datastore | None = None, **params: object) -> None:
+        # The session rule is off unless a test asks for it (its own tests do): the
+        # other tests are about predictions and ties.
+        params.setdefault("initialContinuingShare", 0.0)
         self.clock = VirtualClock(100.0)
         self.metrics = CollectorRegistry()
         ctx = PluginContext(
@@ -243,17 +246,46 @@ def _continuing(fleet: Fleet, endpoint: Endpoint, count: int) -> None:
         fleet.producer.post_response(req, cycle, result, DONE)
 
 
-def test_where_requests_continue_earlier_ones_a_new_session_spreads() -> None:
-    fleet = Fleet()
+def _busy_holder(fleet: Fleet) -> tuple[Endpoint, Endpoint]:
+    """a holds the system prompt every conversation shares (80 of 100 blocks) and
+    has three conversations in flight; b holds nothing and is idle."""
     a, b = make_endpoints(2)
-    # a holds the system prompt every conversation shares (80 of 100 blocks) and
-    # has three conversations in flight; b holds nothing and is idle.
     for _ in range(3):
         req, started = fleet.route(a, {a: 80.0})
         fleet.producer.response_first_chunk(req, started, routed(("default", a)), 0.05)
+    return a, b
+
+
+def _not_continuing(fleet: Fleet, endpoint: Endpoint, n: int) -> None:
+    for _ in range(n):
+        req, cycle = fleet.route(endpoint, {endpoint: 10.0})
+        fleet.producer.post_response(req, cycle, routed(("default", endpoint)), DONE)
+
+
+def test_a_cold_epp_assumes_sessions_until_the_traffic_says_otherwise() -> None:
+    fleet = Fleet(initialContinuingShare=0.8)
+    assert fleet.producer.continuing_share == 0.8
+    a, b = _busy_holder(fleet)
     _, cycle = fleet.cycle({a: 80.0})
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
-    assert scores[a] == 1.0 > 0.9 > scores[b]  # no sessions seen: the holder, greedily
+    # Each first turn might be a conversation's: it goes where its turns will wait
+    # least, not to the busy holder of the shared prefix.
+    assert scores[b] == 1.0 > 0.9 > scores[a]
+    # Requests that continue nothing: the prior fades, and the pick is greedy again.
+    _not_continuing(fleet, b, 100)
+    assert fleet.producer.continuing_share < 0.1
+    # a still has its three in flight; the hundred on b have ended.
+    _, cycle = fleet.cycle({a: 80.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[a] == 1.0 > 0.9 > scores[b]
+
+
+def test_where_requests_continue_earlier_ones_a_new_session_spreads() -> None:
+    fleet = Fleet()
+    a, b = _busy_holder(fleet)
+    _, cycle = fleet.cycle({a: 80.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[a] == 1.0 > 0.9 > scores[b]  # no sessions assumed: the holder, greedily
     assert fleet.producer.continuing_share == 0.0
     # Then the traffic turns out to be conversations: most requests continue one.
     _continuing(fleet, b, 200)
