@@ -345,6 +345,10 @@ class Director:
         # What plugins said about their part (e.g. only the first blocks of a long
         # prompt were matched).
         out["notes"] = cycle.get(EXPLAIN_NOTES) or {}
+        if result.request_headers:
+            # What the request would carry upstream beside the destination (a
+            # disaggregated pick's prefill endpoint).
+            out["requestHeaders"] = dict(result.request_headers)
         if shed is not None:
             out["error"] = shed
             out["picked"] = []

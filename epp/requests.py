@@ -35,6 +35,15 @@ OBJECTIVE_HEADER: Final = "x-gateway-inference-objective"
 FAIRNESS_ID_HEADER: Final = "x-gateway-inference-fairness-id"
 CONTROL_HEADERS: Final = (MODEL_REWRITE_HEADER, OBJECTIVE_HEADER, FAIRNESS_ID_HEADER)
 
+# Disaggregated serving (llm-d's contract with the sidecar on the decode pod): the
+# endpoint to run the prefill on, "ip:port", set by the EPP on a disaggregated pick;
+# and, for encoders, a comma-separated list of them. Only the EPP may set these: a
+# client's own copy is removed before the request goes upstream, so no client can
+# point a sidecar at a host of its choosing.
+PREFILLER_HEADER: Final = "x-prefiller-host-port"
+ENCODERS_HEADER: Final = "x-encoder-hosts-ports"
+EPP_SET_HEADERS: Final = (PREFILLER_HEADER, ENCODERS_HEADER)
+
 
 class Api(enum.Enum):
     COMPLETIONS = "completions"

@@ -188,7 +188,10 @@ class ApproxPrefixMatcher:
     def record(
         self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
     ) -> None:
-        """The request went to its primary target: its blocks are held there now."""
+        """The request went to its primary target: its blocks are held there now. So
+        are they on the target of every other profile of the result (a
+        disaggregated pick's prefill endpoint, which computed them and keeps them
+        in its cache, as llm-d's producer records too)."""
         targets = result.targets
         if not targets:
             return
@@ -197,11 +200,17 @@ class ApproxPrefixMatcher:
         blocks = cycle.get(self._blocks)
         if blocks is None or blocks.total == 0:
             return
-        capacity = self.capacity
-        if self.auto_tune and chosen.metrics.known(CACHE_INFO, self.clock()):
-            capacity = chosen.metrics.num_gpu_blocks
+        holders = [chosen]
+        for profile in result.profiles.values():
+            if profile.targets and profile.targets[0] not in holders:
+                holders.append(profile.targets[0])
+        now = self.clock()
         before = self.index.evictions
-        self.index.add(chosen, blocks.all(), capacity)
+        for holder in holders:
+            capacity = self.capacity
+            if self.auto_tune and holder.metrics.known(CACHE_INFO, now):
+                capacity = holder.metrics.num_gpu_blocks
+            self.index.add(holder, blocks.all(), capacity)
         self.index.mark_end(blocks)
         if self.index.evictions > before:
             self._evictions.inc(self.index.evictions - before)

@@ -2,8 +2,9 @@
 on each endpoint (llm-d's data producer of the same name), for `token-load-scorer`
 and the TTFT load gate of `prefix-cache-affinity-filter`.
 
-A DataProducer, a PreRequest and a PostResponse hook. For each request it leaves an
-`InFlightLoadInfo` under its name (`in_flight_load_key`), which tells consumers:
+A DataProducer, a PreRequest, a ResponseFirstChunk and a PostResponse hook. For
+each request it leaves an `InFlightLoadInfo` under its name (`in_flight_load_key`),
+which tells consumers:
 
 - `load(endpoint)`: the requests and tokens in flight there (llm-d's InFlightLoad),
   read when asked, so it is as current as the counters;
@@ -14,10 +15,15 @@ A DataProducer, a PreRequest and a PostResponse hook. For each request it leaves
 When a request is routed (pre_request), the primary target of every profile that
 picked one (a P/D pick: prefill and decode) is charged one request and the
 request's tokens for that endpoint; when it ends (post_response, completed or
-aborted) exactly that charge is taken back. Counters never go below zero, and an
-endpoint that leaves the pool takes its counters with it: a request still running
-there releases into the old counters, never into those of a new endpoint of the
-same name.
+aborted) exactly that charge is taken back. The charge of a target of a profile
+other than the primary one (the prefill endpoint of a disaggregated pick) is taken
+back earlier, at the response's first chunk: the decode endpoint's first token
+comes only after the prefill endpoint has finished its part and handed over the KV
+cache, so its work for the request is over by then; and it is charged the prompt
+only, never the output estimate. Counters never go below
+zero, and an endpoint that leaves the pool takes its counters with it: a request
+still running there releases into the old counters, never into those of a new
+endpoint of the same name.
 
 Token counts:
 - input: the prompt's tokens, estimated as characters / `charsPerToken` (this
@@ -37,12 +43,13 @@ cross-replica state syncer, so the counts are this replica's own, as llm-d's are
 without one.
 
 Known differences from llm-d:
-- Tokens are released when the response ends. llm-d releases a streamed request's
-  prompt tokens at its first response chunk (prefill is done by then; with
-  `addEstimatedOutputTokens` only the prefill profile's share): this EPP's plugin
-  interface has no first-chunk hook (only post_response), so here a request's
-  prompt tokens count until its last chunk, and the load reads as
-  prompt-plus-decode work rather than queued prefill work.
+- Tokens on the primary target are released when the response ends. llm-d
+  releases a streamed request's prompt tokens at its first response chunk (prefill
+  is done by then; with `addEstimatedOutputTokens` only the prefill profile's
+  share): here a request's prompt tokens count on the endpoint it went to until
+  its last chunk, and the load reads as prompt-plus-decode work rather than queued
+  prefill work. Only a disaggregated pick's prefill endpoint is released at the
+  first chunk.
 - Prompt tokens are estimated from the text (no tokenizer); llm-d reads them from
   its token-producer.
 - The discount is exact to the token (`input - m * blockSizeTokens`); llm-d counts
@@ -54,7 +61,7 @@ Known differences from llm-d:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Final
 
@@ -84,6 +91,22 @@ class InFlightLoad:
     tokens: int = 0
 
 
+def count_prompt_tokens(request: InferenceRequest, chars_per_token: float) -> int:
+    """The request's prompt tokens: characters / `chars_per_token` for text, exact for
+    token ids, every prompt of a batch; 0 without a prompt."""
+    prompt = request.prompt
+    if isinstance(prompt, CompletionPrompt):
+        return sum(_units(p, chars_per_token) for p in prompt.prompts)
+    units = prompt_units(request)
+    return 0 if units is None else _units(units, chars_per_token)
+
+
+def _units(units: str | Sequence[int], chars_per_token: float) -> int:
+    if isinstance(units, str):
+        return math.ceil(len(units) / chars_per_token)
+    return len(units)
+
+
 def in_flight_load_key(producer: str) -> StateKey[InFlightLoadInfo]:
     """Where the producer named `producer` leaves a request's `InFlightLoadInfo`
     (llm-d's data key `InFlightLoad/<producer>`)."""
@@ -105,6 +128,8 @@ class _Counter:
 class _Charge:
     counter: _Counter
     tokens: int
+    # Taken back at the first response chunk: a prefill endpoint's part ends there.
+    at_first_chunk: bool = False
 
 
 class _Caps(msgspec.Struct):
@@ -198,16 +223,7 @@ class InFlightLoadProducer:
         return found
 
     def _count_input(self, request: InferenceRequest) -> int:
-        prompt = request.prompt
-        if isinstance(prompt, CompletionPrompt):
-            return sum(self._units(p) for p in prompt.prompts)
-        units = prompt_units(request)
-        return 0 if units is None else self._units(units)
-
-    def _units(self, units: str | Sequence[int]) -> int:
-        if isinstance(units, str):
-            return math.ceil(len(units) / self.chars_per_token)
-        return len(units)
+        return count_prompt_tokens(request, self.chars_per_token)
 
     def request_tokens(
         self, request: InferenceRequest, cycle: CycleState, endpoint: Endpoint
@@ -249,17 +265,34 @@ class InFlightLoadProducer:
         if charges is None:
             charges = []
             cycle.put(self._charges, charges)
-        for profile in result.profiles.values():
+        for name, profile in result.profiles.items():
             if not profile.targets:
                 continue
             endpoint = profile.targets[0]
             tokens = self.request_tokens(request, cycle, endpoint)
+            early = name != result.primary_profile
+            if early:
+                # A prefill endpoint computes the prompt, not the answer.
+                tokens -= self._estimate(request, cycle)[1]
             counter = self._counters.get(endpoint)
             if counter is None:
                 counter = self._counters[endpoint] = _Counter()
             counter.requests += 1
             counter.tokens += tokens
-            charges.append(_Charge(counter, tokens))
+            charges.append(_Charge(counter, tokens, early))
+
+    def response_first_chunk(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        elapsed_s: float,
+    ) -> None:
+        charges = cycle.get(self._charges)
+        if not charges:
+            return
+        _release(c for c in charges if c.at_first_chunk)
+        charges[:] = [c for c in charges if not c.at_first_chunk]
 
     def post_response(
         self,
@@ -271,12 +304,16 @@ class InFlightLoadProducer:
         charges = cycle.get(self._charges)
         if not charges:
             return
-        for charge in charges:
-            counter = charge.counter
-            counter.requests = max(0, counter.requests - 1)
-            counter.tokens = max(0, counter.tokens - charge.tokens)
+        _release(charges)
         charges.clear()  # released once, however often the end is reported
 
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
         load = self.load(endpoint)
         return {"inFlightLoad": {"requests": load.requests, "tokens": load.tokens}}
+
+
+def _release(charges: Iterable[_Charge]) -> None:
+    for charge in charges:
+        counter = charge.counter
+        counter.requests = max(0, counter.requests - 1)
+        counter.tokens = max(0, counter.tokens - charge.tokens)

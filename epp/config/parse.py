@@ -363,9 +363,9 @@ def _check_meaning(shape: _Shape, problems: Problems) -> ValidatedConfig:
             problems.add(
                 (*decl.path, "type"),
                 f"{decl.type_name!r} implements none of the plugin interfaces"
-                " (filter, score, pick, select_profiles/process_results, prepare,"
-                " pre_request, response_first_chunk, post_response, saturation, admit,"
-                " add_extractor, extract)",
+                " (filter, score, pick, select_profiles/process_results, disaggregate,"
+                " prepare, pre_request, response_first_chunk, post_response, saturation,"
+                " admit, add_extractor, extract)",
             )
     data_layer = _data_layer(shape.data_layer, plugins, problems)
     detector = _saturation_detector(shape, problems)

@@ -53,7 +53,7 @@ from epp.errors import EppError, InternalError, PayloadTooLarge
 from epp.extproc import messages as m
 from epp.extproc.usage import UsageReader
 from epp.logs import VERBOSE, request_id_var
-from epp.requests import CONTROL_HEADERS, InferenceRequest, parse_request
+from epp.requests import CONTROL_HEADERS, EPP_SET_HEADERS, InferenceRequest, parse_request
 from epp.scheduling.types import ResponseInfo
 from epp.telemetry import Telemetry
 
@@ -269,7 +269,7 @@ class RequestStream:
             return [
                 m.request_body_decision(
                     decision.destinations,
-                    self._headers_to_remove(),
+                    self._headers_to_remove(decision),
                     self._headers_to_set(decision, len(decision.body) if changed else None),
                     decision.body if changed else None,
                 )
@@ -303,12 +303,19 @@ class RequestStream:
     def _headers_decision(self, decision: Decision) -> pb.ProcessingResponse:
         return m.request_headers_decision(
             decision.destinations,
-            self._headers_to_remove(decision.body_changed),
+            self._headers_to_remove(decision, decision.body_changed),
             self._headers_to_set(decision, None),
         )
 
-    def _headers_to_remove(self, body_changed: bool = False) -> list[str]:
+    def _headers_to_remove(self, decision: Decision, body_changed: bool = False) -> list[str]:
         remove: list[str] = [h for h in CONTROL_HEADERS if h in self.headers]
+        # A client's copy of a header only the EPP sets; one the decision sets is
+        # overwritten instead.
+        remove += [
+            h
+            for h in EPP_SET_HEADERS
+            if h in self.headers and h not in decision.result.request_headers
+        ]
         if body_changed and "content-length" in self.headers:
             remove.append("content-length")
         return remove
@@ -321,6 +328,9 @@ class RequestStream:
             out.append(("x-request-id", self.request_id))
         if content_length is not None:
             out.append(("content-length", str(content_length)))
+        # What the profile handler adds for the endpoint (a disaggregated pick's
+        # prefill endpoint, for the decode pod's sidecar).
+        out.extend(decision.result.request_headers.items())
         return out
 
     def _log_decision(self, request: InferenceRequest, decision: Decision) -> None:

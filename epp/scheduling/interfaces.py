@@ -56,6 +56,7 @@ from epp.datastore import Datastore, Endpoint
 from epp.requests import InferenceRequest
 from epp.scheduling.types import (
     CycleState,
+    DisaggDecision,
     ProfileResult,
     ResponseInfo,
     SchedulingResult,
@@ -301,6 +302,28 @@ class ProfileHandler(Protocol):
 
 
 @runtime_checkable
+class DisaggregationDecider(Protocol):
+    """Decides whether a request's prefill runs on a prefill endpoint of its own
+    (prefill/decode disaggregation, llm-d's "pd decider"). Not called by the
+    framework: a disaggregating profile handler (`disagg-profile-handler`) names
+    its decider in its parameters and asks it once per request.
+
+    Gets the request, its cycle state (what the data producers left there, such as
+    the prefix match info of a prefix producer) and `decode`, the endpoint the
+    decode profile has already picked: the decision is about that endpoint, since
+    what it already caches is what it would not have to prefill itself.
+
+    Returns a `DisaggDecision`: whether to disaggregate, and why. It only reads:
+    no state of its own changes and nothing is written to the cycle state (the
+    handler records the decision for /debug/explain), because /debug/explain asks
+    it too. Quick, like a filter."""
+
+    def disaggregate(
+        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint
+    ) -> DisaggDecision: ...
+
+
+@runtime_checkable
 class PreRequest(Protocol):
     """Runs once the request's endpoint is chosen, before it is sent there."""
 
@@ -352,6 +375,7 @@ EXTENSION_POINTS: tuple[tuple[str, type], ...] = (
     ("scorer", Scorer),
     ("picker", Picker),
     ("profile_handler", ProfileHandler),
+    ("disaggregation_decider", DisaggregationDecider),
     ("pre_request", PreRequest),
     ("response_first_chunk", ResponseFirstChunk),
     ("post_response", PostResponse),

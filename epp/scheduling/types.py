@@ -115,7 +115,12 @@ class ProfileResult:
 @dataclass(frozen=True, slots=True)
 class SchedulingResult:
     primary_profile: str
+    # The profiles whose picks the request uses, by name (the primary among them).
     profiles: Mapping[str, ProfileResult]
+    # Headers the EPP sets on the request it sends upstream, beside the destination
+    # (a disaggregated pick's `x-prefiller-host-port`): chosen by the profile
+    # handler, so /debug/explain shows them too. Names lower-case.
+    request_headers: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def targets(self) -> tuple[Endpoint, ...]:
@@ -130,6 +135,17 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggDecision:
+    """A disaggregation decider's answer (`DisaggregationDecider.disaggregate`)."""
+
+    disaggregate: bool  # True: run this stage on an endpoint of its own
+    reason: str  # why, in a few words, for /debug/explain (never request content)
+    # The numbers behind it (JSON values), for /debug/explain: the prompt's and the
+    # uncached tokens, the thresholds, say.
+    facts: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

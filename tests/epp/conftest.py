@@ -113,8 +113,17 @@ class Epp:
 StartEpp = Callable[..., Awaitable[Epp]]
 
 
-def write_endpoints(path: Path, endpoints: dict[str, str]) -> None:
-    document = {"endpoints": [{"name": n, "address": a} for n, a in endpoints.items()]}
+def write_endpoints(
+    path: Path, endpoints: dict[str, str], labels: dict[str, dict[str, str]] | None = None
+) -> None:
+    """`labels`: endpoint name -> its labels (none for the others)."""
+    labels = labels or {}
+    document = {
+        "endpoints": [
+            {"name": n, "address": a, **({"labels": labels[n]} if n in labels else {})}
+            for n, a in endpoints.items()
+        ]
+    }
     path.write_text(yaml.safe_dump(document), encoding="utf-8")
 
 
@@ -157,12 +166,14 @@ async def start_epp(tmp_path: Path) -> AsyncIterator[StartEpp]:
         max_body_bytes: int | None = None,
         lean_completion_timeout_s: float | None = None,
         debug_endpoints: bool = True,
+        labels: dict[str, dict[str, str]] | None = None,
         **options: Any,
     ) -> Epp:
-        """`options`: more `ServeOptions` fields (metrics scraping flags, say)."""
+        """`options`: more `ServeOptions` fields (metrics scraping flags, say);
+        `labels`: endpoint name -> its labels."""
         pool = ENDPOINTS if endpoints is None else endpoints
         endpoints_file = tmp_path / f"endpoints-{len(running)}.yaml"
-        write_endpoints(endpoints_file, pool)
+        write_endpoints(endpoints_file, pool, labels)
         extra: dict[str, Any] = dict(options)
         if max_body_bytes is not None:
             extra["max_body_bytes"] = max_body_bytes

@@ -4,7 +4,9 @@ epp-config.yaml` (a decode filter, the prefix-cache scorer with its approximate
 producer, the max-score picker, under `apiVersion: llm-d.ai/...`),
 `sim-epp-no-hit-lru.yaml` (the no-hit LRU scorer beside a precise prefix scorer)
 and `epp-burst-prefix-cache-config.yaml` (bursts co-located by the burst producer,
-read by the prefix-cache scorer)."""
+read by the prefix-cache scorer); and the shipped configs modelled on llm-d's:
+the optimized baseline and `pd-epp-config.yaml`'s prefill/decode disaggregation
+(manifests/config/llm-d-pd.yaml)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from epp.cli import main as cli_main
 from epp.config import load_config
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.director import Director
@@ -294,3 +297,59 @@ def test_llm_d_optimized_baseline_manifest_sticks_and_balances() -> None:
     cold = [start(f"unrelated {i} " * 400) for i in range(2)]
     assert warm.isdisjoint(cold)
     assert len(set(cold)) == 2
+
+
+PD_CONFIG = Path(__file__).resolve().parents[2] / "manifests/config/llm-d-pd.yaml"
+
+
+def test_llm_d_pd_manifest_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    """manifests/config/llm-d-pd.yaml, modelled on llm-d-router's
+    deploy/config/pd-epp-config.yaml, passes `epp validate`."""
+    assert cli_main(["validate", str(PD_CONFIG)]) == 0
+    assert "profiles: prefill" in capsys.readouterr().out
+
+
+def test_llm_d_pd_manifest_disaggregates_long_uncached_prompts_only() -> None:
+    """Decode pod first, always; a prefill pod and `x-prefiller-host-port` only when
+    the decode pod would prefill at least nonCachedTokens (16) itself."""
+    datastore = Datastore()
+    datastore.replace_all(
+        [
+            EndpointSpec("decode-0", "10.0.0.1:8000", labels={"llm-d.ai/role": "decode"}),
+            EndpointSpec("decode-1", "10.0.0.2:8000", labels={"llm-d.ai/role": "decode"}),
+            EndpointSpec("prefill-0", "10.0.1.1:8000", labels={"llm-d.ai/role": "prefill"}),
+            EndpointSpec("prefill-1", "10.0.1.2:8000", labels={"llm-d.ai/role": "prefill"}),
+        ]
+    )
+    config = load_config(
+        PD_CONFIG.read_text(), PluginRegistry.from_entry_points(), datastore=datastore
+    )
+    director = Director(datastore, config, Telemetry(datastore))
+    prefill_pods = {"10.0.1.1:8000", "10.0.1.2:8000"}
+
+    def pick(prompt: str) -> tuple[str, dict[str, str]]:
+        decision = asyncio.run(director.pick_endpoint(completion(prompt)))
+        director.finish(decision, ResponseInfo(completed=True))
+        return decision.endpoint.name, dict(decision.result.request_headers)
+
+    long_prompt = "an uncached document to summarise " * 60  # about 500 tokens
+    explained = asyncio.run(director.explain(completion(long_prompt)))
+    note = explained["notes"]["disagg-profile-handler"]
+    assert note["decision"] is True
+    assert note["facts"]["uncachedTokens"] >= 16
+    assert explained["requestHeaders"]["x-prefiller-host-port"] in prefill_pods
+
+    decode, headers = pick(long_prompt)
+    assert decode.startswith("decode-")
+    assert set(headers) == {"x-prefiller-host-port"}
+    assert headers["x-prefiller-host-port"] in prefill_pods
+    # The same prompt again: its decode pod holds it now, so it prefills nothing.
+    again, headers = pick(long_prompt)
+    assert (again, headers) == (decode, {})
+    # A short prompt is not worth a transfer either.
+    short, headers = pick("hello")
+    assert short.startswith("decode-")
+    assert headers == {}
+    explained = asyncio.run(director.explain(completion("hello")))
+    assert explained["notes"]["disagg-profile-handler"]["decision"] is False
+    assert "requestHeaders" not in explained

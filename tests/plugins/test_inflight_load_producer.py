@@ -1,6 +1,7 @@
 """`inflight-load-producer`: charges a routed request's uncached prompt tokens (and
 optional output estimate) to each profile's target, takes exactly that back at the
-end, and leaves what it knows for the consumers."""
+end (a disaggregated pick's prefill endpoint: at the first chunk), and leaves what
+it knows for the consumers."""
 
 from __future__ import annotations
 
@@ -97,6 +98,40 @@ def test_every_profile_target_is_charged() -> None:
     assert plugin.load(decode) == InFlightLoad(1, 80)
     plugin.post_response(request(), cycle, result, DONE)
     assert plugin.load(prefill) == plugin.load(decode) == InFlightLoad()
+
+
+def test_a_prefill_endpoint_is_released_at_the_first_chunk_the_decode_one_at_the_end() -> None:
+    """A disaggregated pick: the prefill endpoint's part is over once the decode
+    endpoint sends its first token; the decode endpoint holds the request to its end."""
+    plugin = producer()
+    prefill, decode = make_endpoints(2)
+    cycle = CycleState()
+    result = routed(("decode", decode), ("prefill", prefill))
+    plugin.pre_request(request("x" * 80), cycle, result)
+    plugin.response_first_chunk(request(), cycle, result, 0.2)
+    assert plugin.load(prefill) == InFlightLoad()
+    assert plugin.load(decode) == InFlightLoad(1, 80)
+    plugin.response_first_chunk(request(), cycle, result, 0.3)  # once only
+    plugin.post_response(request(), cycle, result, DONE)
+    plugin.post_response(request(), cycle, result, DONE)
+    assert plugin.load(prefill) == plugin.load(decode) == InFlightLoad()
+
+
+def test_a_prefill_endpoint_is_not_charged_the_output_estimate() -> None:
+    plugin = producer(addEstimatedOutputTokens=True, outputRatio=0.5)
+    prefill, decode = make_endpoints(2)
+    result = routed(("decode", decode), ("prefill", prefill))
+    plugin.pre_request(request("x" * 80), CycleState(), result)
+    assert plugin.load(prefill) == InFlightLoad(1, 80)
+    assert plugin.load(decode) == InFlightLoad(1, 80 + 40)
+
+
+def test_a_single_profile_pick_is_held_past_the_first_chunk() -> None:
+    plugin = producer()
+    (a,) = make_endpoints(1)
+    cycle = charge(plugin, a, 30)
+    plugin.response_first_chunk(request(), cycle, routed(("default", a)), 0.1)
+    assert plugin.load(a) == InFlightLoad(1, 30)
 
 
 def test_text_is_counted_at_chars_per_token_and_token_ids_exactly() -> None:
