@@ -91,6 +91,9 @@ class ManagedProcess:
     argv: Sequence[str]
     log_path: Path
     env: dict[str, str] | None = None
+    # Variables of this process's environment the child must not inherit (an
+    # engine that must draw its own hash seed gets no PYTHONHASHSEED).
+    unset_env: Sequence[str] = ()
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def start(self) -> ManagedProcess:
@@ -100,7 +103,10 @@ class ManagedProcess:
             list(self.argv),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(self.env or {})},
+            env={
+                **{k: v for k, v in os.environ.items() if k not in self.unset_env},
+                **(self.env or {}),
+            },
             cwd=ROOT,
             start_new_session=True,  # a Ctrl-C in the terminal reaches us, not it
         )

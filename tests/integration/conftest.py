@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,13 +73,15 @@ def running_stack(
     config_text: str = CONFIG,
     max_body_bytes: int = MAX_BODY_BYTES,
     change_envoy: Callable[[dict[str, Any]], None] | None = None,
+    epp_args: Sequence[str] = (),
 ) -> Iterator[Stack]:
     """Upstreams, `epp serve` and Envoy with manifests/envoy/envoy.yaml (GIE's
     protocol) or envoy-lean.yaml (`lean`), all stopped on exit.
 
     With `endpoints_file` (a simulator fleet's, say) the EPP routes to those
     endpoints instead, and no recording upstream is started. `change_envoy` edits
-    Envoy's bootstrap (a dict) before Envoy starts."""
+    Envoy's bootstrap (a dict) before Envoy starts; `epp_args` are more `epp serve`
+    flags."""
     with contextlib.ExitStack() as cleanup:
         upstreams = Upstreams(3 if endpoints_file is None else 0).start()
         cleanup.callback(upstreams.stop)
@@ -94,7 +96,12 @@ def running_stack(
             workdir,
             ports,
             config_file=config,
-            extra_args=["--debug-endpoints", "--max-body-bytes", str(max_body_bytes)],
+            extra_args=[
+                "--debug-endpoints",
+                "--max-body-bytes",
+                str(max_body_bytes),
+                *epp_args,
+            ],
         )
         cleanup.callback(epp.stop)
         envoy_port, admin_port = free_port(), free_port()
