@@ -632,7 +632,11 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
             "block_size": options.block_size,
             "num_gpu_blocks": options.num_gpu_blocks,
             "tokenizer": portable_path(options.tokenizer) if options.tokenizer else "builtin",
-            "sim_args": options.fleet_args(),
+            # Paths in the simulator's flags are recorded as the tokenizer is: no
+            # directory of this machine.
+            "sim_args": [
+                portable_path(Path(a)) if a.startswith("/") else a for a in options.fleet_args()
+            ],
             "epp_args": options.epp_args,
             "envoy": "manifests/envoy/envoy.yaml",
             "seed": options.seed,

@@ -43,6 +43,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -57,7 +58,11 @@ from sim.tokenizer import Tokenizer, answer_token_ids, load_tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 # The real Qwen2.5 tokenizer of the workspace's test data (tokenizer.json and the
 # chat template in tokenizer_config.json); without it, the simulator's built-in one.
-DEFAULT_TOKENIZER = (ROOT / ".." / "shared" / "testdata" / "tokenizers" / "qwen2_5").resolve()
+# Not resolved: where ../shared is a symbolic link, results still name it
+# ../shared/... (bench.provenance.portable_path).
+DEFAULT_TOKENIZER = Path(
+    os.path.normpath(ROOT / ".." / "shared" / "testdata" / "tokenizers" / "qwen2_5")
+)
 
 WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "no-reuse", "trace")
 TRACE_BLOCK_TOKENS = 512
