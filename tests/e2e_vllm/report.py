@@ -78,8 +78,8 @@ def _figures(key: str, check: dict[str, Any] | None) -> str:
         load = check.get("load", {})
         return (
             f"restart {check.get('restart_seconds')} s; window {load.get('window_s')} s: "
-            f"{load.get('failed')}/{load.get('requests')} failed, all inside it (the"
-            " profile has no stale-metrics-filter); new engine "
+            f"{load.get('failed')}/{load.get('requests')} failed, all inside it;"
+            " new engine "
             f"seen {check.get('restart_detected_after_healthy_s')} s after healthy; "
             f"after: {check.get('right_after')}/{check.get('total_after')} to the holder"
             f" ({check.get('cold_after')} groups cold),"

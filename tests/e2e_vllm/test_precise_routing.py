@@ -84,7 +84,9 @@ def chat_body(system: str, question: str, max_tokens: int = 4) -> dict[str, Any]
 
 
 def epp_config(model_dir: Path) -> str:
-    """manifests/config/precise-prefix.yaml's profile for these engines: blockSize
+    """manifests/config/precise-prefix.yaml's profile for these engines, behind
+    stale-metrics-filter (a killed engine's pod is dropped at its first refused
+    scrape, not routed to until it is back: docs/vllm-e2e.md): blockSize
     32 (theirs), the tiny model's tokenizer by its served name, and no hash settings.
     Every pick is a tokenization probe (the manifest samples one in 32): the tier
     checks that the EPP tokenizes exactly as vLLM does."""
@@ -105,6 +107,7 @@ def epp_config(model_dir: Path) -> str:
                         "alignmentSampleEvery": 1,
                     },
                 },
+                {"type": "stale-metrics-filter"},
                 {"type": "queue-scorer"},
                 {"type": "kv-cache-utilization-scorer"},
                 {"type": "active-request-scorer"},
@@ -114,6 +117,7 @@ def epp_config(model_dir: Path) -> str:
                 {
                     "name": "default",
                     "plugins": [
+                        {"pluginRef": "stale-metrics-filter"},
                         {"pluginRef": "prefix", "weight": 3},
                         {"pluginRef": "queue-scorer", "weight": 2},
                         {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
@@ -597,8 +601,16 @@ async def test_a_restarted_engine_is_forgotten_and_routed_to_again(tier: Tier) -
             k: entry["index"].get(k)
             for k in ("blocks", "restarts", "disconnects", "replays", "state")
         }
-        # The old engine's blocks are gone from the EPP: its own prefix scores 0.
-        assert (await explain(session, tier, probe))[victim] == 0.0
+
+        # The new engine is a candidate again once its metrics are fresh (the
+        # profile's stale-metrics-filter dropped it while it refused them), and the
+        # old engine's blocks are gone from the EPP: its own prefix scores 0.
+        async def candidate_again() -> dict[str, float] | None:
+            scores = await explain(session, tier, probe)
+            return scores if victim in scores else None
+
+        scores = await eventually(candidate_again, "the new engine is a candidate", timeout_s=60)
+        assert scores[victim] == 0.0
         await asyncio.sleep(3)
         stop.set()
         await loader
