@@ -37,6 +37,10 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -55,6 +59,10 @@ def test_a_signal_stops_the_demo_and_everything_it_started(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # A shell starts background jobs with SIGINT ignored, and a child inherits
+        # that (Python then installs no KeyboardInterrupt handler): the demo is
+        # started as from a terminal, whatever ran this test.
+        preexec_fn=_sigint_default,
     )
     try:
         # Wait for the whole data path (pods, EPP, Envoy) to be up and the run going.
