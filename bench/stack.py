@@ -19,10 +19,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -401,6 +401,38 @@ def start_sim(
     return process
 
 
+class KvEventsPod(Protocol):
+    """What an endpoints file says of a pod that publishes KV events."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def kv_port(self) -> int: ...
+    @property
+    def replay_port(self) -> int: ...
+
+
+def write_kv_endpoints_file(path: Path, pods: Iterable[KvEventsPod]) -> Path:
+    """The endpoints file (docs/architecture.md, "Processes, ports, the endpoints
+    file") naming each pod and its KV-event sockets on this host."""
+    document = {
+        "endpoints": [
+            {
+                "name": pod.name,
+                "address": pod.address,
+                "kvEvents": f"tcp://127.0.0.1:{pod.kv_port}",
+                "kvEventsReplay": f"tcp://127.0.0.1:{pod.replay_port}",
+            }
+            for pod in pods
+        ]
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
 @dataclass
 class Pod:
     """One simulated pod of a `Pods` set: its name and fixed ports."""
@@ -487,22 +519,8 @@ class Pods:
                 pod.process.stop()
 
     def endpoints_file(self, path: Path) -> Path:
-        """The endpoints file (docs/architecture.md, "Processes, ports, the endpoints
-        file") naming every pod and its KV-event sockets."""
-        document = {
-            "endpoints": [
-                {
-                    "name": pod.name,
-                    "address": pod.address,
-                    "kvEvents": f"tcp://127.0.0.1:{pod.kv_port}",
-                    "kvEventsReplay": f"tcp://127.0.0.1:{pod.replay_port}",
-                }
-                for pod in self.pods.values()
-            ]
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(document, sort_keys=False))
-        return path
+        """The endpoints file naming every pod and its KV-event sockets."""
+        return write_kv_endpoints_file(path, self.pods.values())
 
 
 def start_sim_fleet(

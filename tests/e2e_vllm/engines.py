@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from bench.provenance import portable_path
-from bench.stack import ROOT, ManagedProcess, free_ports
+from bench.stack import ROOT, ManagedProcess, free_ports, write_kv_endpoints_file
 from tests.testdata import QWEN_DIR
 
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -195,19 +195,7 @@ class VllmFleet:
             pod.stop()
 
     def endpoints_file(self, path: Path) -> Path:
-        document = {
-            "endpoints": [
-                {
-                    "name": pod.name,
-                    "address": pod.address,
-                    "kvEvents": f"tcp://127.0.0.1:{pod.kv_port}",
-                    "kvEventsReplay": f"tcp://127.0.0.1:{pod.replay_port}",
-                }
-                for pod in self.pods.values()
-            ]
-        }
-        path.write_text(json.dumps(document, indent=2) + "\n")
-        return path
+        return write_kv_endpoints_file(path, self.pods.values())
 
 
 # -- what an engine says about itself ------------------------------------------------

@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from bench.provenance import portable_path
+from bench.stack import ROOT
 from tests.e2e_vllm.engines import (
     BLOCK_SIZE,
     MODEL_NAME,
@@ -40,6 +41,7 @@ from tests.e2e_vllm.engines import (
     first_block_hashes,
 )
 from tests.integration.conftest import Stack, running_stack
+from tests.integration.faults import eventually
 
 # Engines take minutes to start, twice in the last test.
 pytestmark = pytest.mark.timeout(1800)
@@ -47,6 +49,7 @@ pytestmark = pytest.mark.timeout(1800)
 PODS = 2
 SCORES_HEADER = "x-epp-scores"
 SETTLE_S = 30.0
+PRECISE_PROFILE = ROOT / "manifests" / "config" / "precise-prefix.yaml"
 # How many shared-system-prompt groups the routing test warms at least, and at most
 # (it goes on until each engine was chosen for two: first picks are ties between
 # empty engines, broken at random).
@@ -86,49 +89,21 @@ def chat_body(system: str, question: str, max_tokens: int = 4) -> dict[str, Any]
 def epp_config(model_dir: Path) -> str:
     """manifests/config/precise-prefix.yaml's profile for these engines, behind
     stale-metrics-filter (a killed engine's pod is dropped at its first refused
-    scrape, not routed to until it is back: docs/vllm-e2e.md): blockSize
-    32 (theirs), the tiny model's tokenizer by its served name, and no hash settings.
+    scrape, not routed to until it is back: docs/vllm-e2e.md): blockSize 32
+    (theirs), the tiny model's tokenizer by its served name, and no hash settings.
     Every pick is a tokenization probe (the manifest samples one in 32): the tier
     checks that the EPP tokenizes exactly as vLLM does."""
-    return yaml.safe_dump(
-        {
-            "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
-            "kind": "EndpointPickerConfig",
-            "plugins": [
-                {
-                    "type": "precise-prefix-cache-scorer",
-                    "name": "prefix",
-                    "parameters": {
-                        "blockSize": BLOCK_SIZE,
-                        "tokenizers": [{"model": MODEL_NAME, "path": str(model_dir)}],
-                        "kvEventsConfig": {"replay": True},
-                        "speculativeIndexing": True,
-                        "speculativeTTL": "2s",
-                        "alignmentSampleEvery": 1,
-                    },
-                },
-                {"type": "stale-metrics-filter"},
-                {"type": "queue-scorer"},
-                {"type": "kv-cache-utilization-scorer"},
-                {"type": "active-request-scorer"},
-                {"type": "max-score-picker"},
-            ],
-            "schedulingProfiles": [
-                {
-                    "name": "default",
-                    "plugins": [
-                        {"pluginRef": "stale-metrics-filter"},
-                        {"pluginRef": "prefix", "weight": 3},
-                        {"pluginRef": "queue-scorer", "weight": 2},
-                        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-                        {"pluginRef": "active-request-scorer", "weight": 2},
-                        {"pluginRef": "max-score-picker"},
-                    ],
-                }
-            ],
-        },
-        sort_keys=False,
+    config = yaml.safe_load(PRECISE_PROFILE.read_text())
+    (scorer,) = [p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    scorer["parameters"].update(
+        blockSize=BLOCK_SIZE,
+        tokenizers=[{"model": MODEL_NAME, "path": str(model_dir)}],
+        alignmentSampleEvery=1,
     )
+    config["plugins"].insert(0, {"type": "stale-metrics-filter"})
+    for profile in config["schedulingProfiles"]:
+        profile["plugins"].insert(0, {"pluginRef": "stale-metrics-filter"})
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 # -- the fleet, the EPP and Envoy, per mode ----------------------------------------------
@@ -292,18 +267,6 @@ async def debug_endpoints(session: aiohttp.ClientSession, tier: Tier) -> dict[st
     async with session.get(tier.stack.admin_url + "/debug/endpoints") as response:
         assert response.status == 200
         return {e["name"]: e for e in await response.json()}
-
-
-async def eventually(
-    check: Callable[[], Awaitable[Any]], what: str, timeout_s: float = SETTLE_S
-) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = await check()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def counters(tier: Tier) -> dict[str, dict[str, float]]:
