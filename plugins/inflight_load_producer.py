@@ -289,7 +289,8 @@ class InFlightLoadProducer:
         elapsed_s: float,
     ) -> None:
         charges = cycle.get(self._charges)
-        if not charges:
+        # Only a disaggregated pick has an early charge: nothing to do for the rest.
+        if not charges or not any(c.at_first_chunk for c in charges):
             return
         _release(c for c in charges if c.at_first_chunk)
         charges[:] = [c for c in charges if not c.at_first_chunk]
