@@ -20,6 +20,15 @@ The prediction for pod p (epp/ttft/model.py, docs/routing.md explains it):
 - f(p): the pod's own speed relative to the fleet, learnt from its observations
   (1 for a new pod, kept in [0.25, 4]).
 
+A disaggregated request (prefill on pod P, decode on pod D: a P/D profile
+handler's pick) is predicted as P's queue and P's own prefill (U and C are P's),
+plus the KV transfer of the prompt tokens D does not hold (the model's
+`transfer` term), plus D's decoding batch the first decode step joins, and the
+requests waiting on either pod. It is charged to P's queue until its first token
+and decodes on D from then on; its observed TTFT fits the same model (the
+transfer weight is learnt from these alone). `predicted-ttft-pd-decider` compares
+this prediction with D doing the prefill itself.
+
 The weights are shared by the fleet and fitted by recursive least squares from
 every observation: the time from the pick to the first chunk of the response
 (`ResponseFirstChunk`), with the features the prediction was made from. So the
@@ -114,6 +123,11 @@ class TtftPrediction:
     uncached_tokens: int
 
     @property
+    def transfer_tokens(self) -> int:
+        """Tokens of KV cache the decode pod pulls (a disaggregated prediction)."""
+        return round(self.features.transfer_tokens)
+
+    @property
     def own_work_s(self) -> float:
         """The request's own prefill on the pod: what later requests would wait for."""
         return self.parts["prefill"] + self.parts["attention"]
@@ -121,8 +135,12 @@ class TtftPrediction:
     def describe(self) -> dict[str, float | int]:
         out: dict[str, float | int] = {"predictedTtftMs": round(self.seconds * 1e3, 3)}
         out.update({f"{k}Ms": round(v * 1e3, 3) for k, v in self.parts.items()})
+        if self.features.transfer_tokens <= 0:
+            del out["transferMs"]  # served whole: nothing moves between pods
         out["cachedTokens"] = self.cached_tokens
         out["uncachedTokens"] = self.uncached_tokens
+        if self.features.transfer_tokens > 0:
+            out["transferTokens"] = self.transfer_tokens
         out["podFactor"] = round(self.factor, 4)
         return out
 
@@ -148,26 +166,41 @@ class _Pod:
 class _Charge:
     """What a routed request charged, kept in its cycle until its end."""
 
-    pod: _Pod
+    pod: _Pod  # where it decodes (and, served whole, prefills)
     prediction: TtftPrediction
     key: object
+    # A disaggregated request's prefill pod: its queue holds the request until
+    # the first token, its in-flight tokens until the end.
+    prefill_pod: _Pod | None = None
     decoding: bool = False
     released: bool = False
+
+    @property
+    def computing(self) -> _Pod:
+        """The pod that computes the prompt, whose queue the request joined."""
+        return self.prefill_pod if self.prefill_pod is not None else self.pod
 
 
 class TtftPredictions:
     """What the producer leaves for one request: each pod's prediction, computed
     when first asked and then kept (so a pick reads every pod at one instant)."""
 
-    __slots__ = ("_cache", "_cycle", "_producer", "_request")
+    __slots__ = ("_cache", "_cycle", "_pairs", "_producer", "_request", "candidates")
 
     def __init__(
-        self, producer: PredictedTtftProducer, request: InferenceRequest, cycle: CycleState
+        self,
+        producer: PredictedTtftProducer,
+        request: InferenceRequest,
+        cycle: CycleState,
+        candidates: Sequence[Endpoint] = (),
     ) -> None:
         self._producer = producer
         self._request = request
         self._cycle = cycle
+        # The endpoints the request could go to, before any profile's filters.
+        self.candidates = tuple(candidates)
         self._cache: dict[Endpoint, TtftPrediction] = {}
+        self._pairs: dict[tuple[Endpoint, Endpoint], TtftPrediction] = {}
 
     def requests_in_flight(self, endpoint: Endpoint) -> int:
         """Requests this EPP has on `endpoint`: queued for prefill or decoding."""
@@ -176,6 +209,10 @@ class TtftPredictions:
     def tokens_in_flight(self, endpoint: Endpoint) -> int:
         """Uncached prompt tokens of the requests this EPP has on `endpoint`."""
         return self._producer.tokens_in_flight(endpoint)
+
+    def decoding(self, endpoint: Endpoint) -> int:
+        """Requests this EPP has on `endpoint` past their first token."""
+        return self._producer.decoding(endpoint)
 
     @property
     def continues(self) -> bool:
@@ -193,6 +230,14 @@ class TtftPredictions:
         if found is None:
             found = self._producer.predict(self._cycle, endpoint)
             self._cache[endpoint] = found
+        return found
+
+    def predict_disaggregated(self, prefill: Endpoint, decode: Endpoint) -> TtftPrediction:
+        """The request's TTFT if `prefill` computes its prompt and `decode` decodes."""
+        found = self._pairs.get((prefill, decode))
+        if found is None:
+            found = self._producer.predict(self._cycle, prefill, decode)
+            self._pairs[(prefill, decode)] = found
         return found
 
 
@@ -273,9 +318,17 @@ class PredictedTtftProducer:
         pod = self._pods.get(endpoint)
         return 0 if pod is None else pod.tokens_in_flight
 
+    def decoding(self, endpoint: Endpoint) -> int:
+        pod = self._pods.get(endpoint)
+        return 0 if pod is None else pod.ledger.decoding
+
     # -- predicting -----------------------------------------------------------------
 
-    def predict(self, cycle: CycleState, endpoint: Endpoint) -> TtftPrediction:
+    def predict(
+        self, cycle: CycleState, endpoint: Endpoint, decode: Endpoint | None = None
+    ) -> TtftPrediction:
+        """The request's predicted TTFT on `endpoint`; with `decode`, if `endpoint`
+        computes the prompt and `decode` (another pod) then decodes."""
         info = cycle.get(self.prefix_key)
         if info is None:
             if not self._warned_no_prefix:
@@ -286,24 +339,31 @@ class PredictedTtftProducer:
                     self.name,
                     self.prefix_key.name,
                 )
-            prompt, cached = 0, 0
+            prompt, cached, transfer = 0, 0, 0
         else:
             prompt = info.prompt_tokens()
             cached = min(prompt, round(info.matched.get(endpoint, 0.0) * info.block_size_tokens))
+            transfer = 0
+            if decode is not None:
+                # The decode pod pulls what it does not hold already.
+                held = round(info.matched.get(decode, 0.0) * info.block_size_tokens)
+                transfer = prompt - min(prompt, held)
         uncached = prompt - cached
         pod = self._pods.get(endpoint)
         now = self.clock()
         queued = pod.ledger.backlog(now) if pod is not None else 0.0
-        decoding = pod.ledger.decoding if pod is not None else 0
         factor = pod.factor if pod is not None else 1.0
-        metrics = endpoint.metrics
-        waiting = metrics.waiting_requests if metrics.known(WAITING, now) else 0
+        waiting = _waiting(endpoint, now)
+        # The first token comes from the decode pod's first step, in its batch.
+        decoding = self.decoding(endpoint if decode is None else decode)
+        if decode is not None:
+            waiting += _waiting(decode, now)
         features = TtftFeatures(
-            queued, uncached, attention_pairs(uncached, cached), decoding, waiting
+            queued, uncached, attention_pairs(uncached, cached), decoding, waiting, transfer
         )
         raw = features.vector()
         # The pod's speed scales its own prefill; the queue is already in its seconds.
-        x = (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5])
+        x = (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5], raw[6])
         parts = {name: w * v for name, w, v in zip(FEATURES, self.model.weights, x, strict=True)}
         return TtftPrediction(
             seconds=sum(parts.values()),
@@ -320,7 +380,7 @@ class PredictedTtftProducer:
     async def prepare(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> None:
-        cycle.put(self.key, TtftPredictions(self, request, cycle))
+        cycle.put(self.key, TtftPredictions(self, request, cycle, endpoints))
 
     def pre_request(
         self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
@@ -334,15 +394,20 @@ class PredictedTtftProducer:
             self._share_samples += 1
             rate = max(CONTINUING_RATE, 1.0 / self._share_samples)
             self.continuing_share += rate * (float(info.continues) - self.continuing_share)
-        prediction = predictions.predict(endpoint)
+        prefill = _prefill_target(result)
         pod = self._pod(endpoint)
-        # The request's own prefill joins the pod's queue: what later requests wait for.
-        own = prediction.own_work_s
-        key = object()
-        now = self.clock()
-        pod.ledger.charge(key, own, now)
-        pod.tokens_in_flight += prediction.uncached_tokens
-        cycle.put(self._charge, _Charge(pod, prediction, key))
+        prefill_pod = None
+        if prefill is None:
+            prediction = predictions.predict(endpoint)
+        else:
+            prediction = predictions.predict_disaggregated(prefill, endpoint)
+            prefill_pod = self._pod(prefill)
+        charge = _Charge(pod, prediction, object(), prefill_pod)
+        # The request's own prefill joins the computing pod's queue: what later
+        # requests wait for.
+        charge.computing.ledger.charge(charge.key, prediction.own_work_s, self.clock())
+        charge.computing.tokens_in_flight += prediction.uncached_tokens
+        cycle.put(self._charge, charge)
 
     def response_first_chunk(
         self,
@@ -355,8 +420,13 @@ class PredictedTtftProducer:
         if charge is None or charge.decoding or charge.released:
             return
         charge.decoding = True
-        pod = charge.pod
-        pod.ledger.started(charge.key, self.clock())
+        if charge.prefill_pod is None:
+            charge.pod.ledger.started(charge.key, self.clock())
+        else:
+            charge.prefill_pod.ledger.started(charge.key, self.clock(), decodes=False)
+            charge.pod.ledger.decoding_started()
+        # The speed factor that scaled the prediction's prefill learns from it.
+        pod = charge.computing
         predicted = charge.prediction.seconds
         if not (elapsed_s > 0 and math.isfinite(elapsed_s)):
             return
@@ -384,10 +454,14 @@ class PredictedTtftProducer:
         if charge is None or charge.released:
             return  # released once, however often the end is reported
         charge.released = True
-        charge.pod.tokens_in_flight = max(
-            0, charge.pod.tokens_in_flight - charge.prediction.uncached_tokens
+        computing = charge.computing
+        computing.tokens_in_flight = max(
+            0, computing.tokens_in_flight - charge.prediction.uncached_tokens
         )
-        charge.pod.ledger.release(charge.key, charge.decoding, self.clock())
+        now = self.clock()
+        if charge.prefill_pod is not None:
+            charge.prefill_pod.ledger.release(charge.key, False, now)
+        charge.pod.ledger.release(charge.key, charge.decoding, now)
 
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
         pod = self._pods.get(endpoint)
@@ -402,6 +476,25 @@ class PredictedTtftProducer:
                 "observations": pod.observations,
             }
         }
+
+
+def _waiting(endpoint: Endpoint, now: float) -> int:
+    metrics = endpoint.metrics
+    return metrics.waiting_requests if metrics.known(WAITING, now) else 0
+
+
+def _prefill_target(result: SchedulingResult) -> Endpoint | None:
+    """A disaggregated pick's prefill endpoint: the first target of the profile
+    other than the primary one, if the request uses one (the P/D handlers keep
+    the prefill profile in the result only when the request goes to it)."""
+    for name, profile in result.profiles.items():
+        if (
+            name != result.primary_profile
+            and profile.targets
+            and profile.targets[0] is not result.targets[0]
+        ):
+            return profile.targets[0]
+    return None
 
 
 class _WeightsCollector(Collector):

@@ -15,6 +15,12 @@ prefill). The ledger mirrors that queue:
 - `release` (the request ended): if it ended before its first token (aborted) its
   work leaves the queue; if it was decoding, the pod decodes one fewer request.
 
+A disaggregated request (prefill on one pod, decode on another) is in two
+ledgers: the prefill pod's queue, which it leaves at its first token without
+decoding there (`started(..., decodes=False)`), and the decode pod's decoding
+requests from its first token on (`decoding_started`), never its queue: the
+decode pod computes no prefill for it.
+
 A request charged to a pod is tracked by an opaque key (the caller's), and a
 state machine keeps each request's transitions in order: queued -> decoding ->
 gone, or queued -> gone.
@@ -64,8 +70,9 @@ class PodLedger:
         self._queued[key] = _Queued(work_s)
         self._backlog_s += work_s
 
-    def started(self, key: Hashable, now: float) -> None:
-        """The request's first token arrived: it decodes from now on."""
+    def started(self, key: Hashable, now: float, decodes: bool = True) -> None:
+        """The request's first token arrived: it decodes from now on (here, unless
+        `decodes` is False: a prefill pod's part ends there)."""
         entry = self._queued.get(key)
         if entry is None:
             return  # not queued here (already started, or released)
@@ -82,6 +89,12 @@ class PodLedger:
                 seen = True
         del self._queued[key]
         self._backlog_s = min(self._backlog_s, after)
+        if decodes:
+            self.decoding += 1
+
+    def decoding_started(self) -> None:
+        """A request whose prefill ran on another pod decodes here from now on;
+        `release(..., was_decoding=True)` takes it off."""
         self.decoding += 1
 
     def release(self, key: Hashable, was_decoding: bool, now: float) -> None:

@@ -1,6 +1,7 @@
 """A linear model of time to first token, fitted online from what the EPP observes.
 
-    ttft = w . x        x = (1, queued_s, prefill_ktokens, attention_mpairs, decoding, waiting)
+    ttft = w . x        x = (1, queued_s, prefill_ktokens, attention_mpairs, decoding, waiting,
+                             transfer_ktokens)
 
 - `queued_s`: the predicted prefill work ahead of the request on the pod, in
   seconds (the ledger's backlog, `epp.ttft.ledger`);
@@ -13,7 +14,14 @@
 - `waiting`: requests the pod itself reports waiting (its scraped metrics): an
   engine whose batch is full (max_num_seqs, or no KV blocks left) makes new
   requests wait for a running one to end, and requests from other EPP replicas
-  or clients queue there unseen by this EPP's own ledger.
+  or clients queue there unseen by this EPP's own ledger;
+- `transfer_ktokens`: for a disaggregated request (prefill on one pod, decode on
+  another), the prompt tokens whose KV cache the decode pod pulls from the
+  prefill pod, in thousands (0 for a request served whole). The other features
+  then describe the prefill pod (its queue, its uncached tokens) and the decode
+  pod's batch (`decoding`, the first decode step joins it). A request served
+  whole never informs this weight, and its fit is unchanged by it (a feature that
+  is always 0 leaves the other weights' updates exactly as they were).
 
 The weights are fitted by recursive least squares with exponential forgetting
 (each observation's weight decays by `forgetting` per later observation, so the
@@ -44,17 +52,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-FEATURES: Final = ("fixed", "queued", "prefill", "attention", "decoding", "waiting")
+FEATURES: Final = (
+    "fixed",
+    "queued",
+    "prefill",
+    "attention",
+    "decoding",
+    "waiting",
+    "transfer",
+)
 
 # Prior weights: 20 ms fixed (HTTP, scheduling, one step), the backlog counted
 # as it is predicted, 30 ms per 1,000 uncached tokens (~33k tokens/s), 1 ms per
-# million attention pairs, 1 ms per decoding request, 50 ms per waiting request.
-PRIOR_WEIGHTS: Final = (0.02, 1.0, 0.03, 0.001, 0.001, 0.05)
+# million attention pairs, 1 ms per decoding request, 50 ms per waiting request,
+# 5 ms per 1,000 tokens of KV cache moved between pods (a mid-sized model's
+# ~128 KiB per token over ~25 GB/s).
+PRIOR_WEIGHTS: Final = (0.02, 1.0, 0.03, 0.001, 0.001, 0.05, 0.005)
 # How far the prior may be from the truth (variance of each weight), and the
 # typical error of one observation (seconds): least squares weighs the prior
 # against observations by the ratio of the two, so with these a dozen
 # observations outweigh the prior.
-PRIOR_VARIANCE: Final = (1e-2, 1.0, 1e-2, 1e-4, 1e-4, 1e-2)
+PRIOR_VARIANCE: Final = (1e-2, 1.0, 1e-2, 1e-4, 1e-4, 1e-2, 1e-4)
 OBSERVATION_ERROR_S: Final = 0.01
 
 
@@ -67,6 +85,7 @@ class TtftFeatures:
     attention_pairs: float
     decoding: int
     waiting: int = 0
+    transfer_tokens: float = 0.0  # KV cache pulled from a prefill pod (disaggregated)
 
     def vector(self) -> tuple[float, ...]:
         return (
@@ -76,6 +95,7 @@ class TtftFeatures:
             self.attention_pairs / 1e6,
             float(self.decoding),
             float(self.waiting),
+            self.transfer_tokens / 1e3,
         )
 
 

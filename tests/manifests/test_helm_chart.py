@@ -167,6 +167,36 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
             }
         },
     ),
+    # Prefill/decode disaggregation from plain values: llm-d's threshold decider.
+    "pd-prefix-decider": deep_merge(
+        REQUIRED, {"inferenceExtension": {"disaggregation": {"enabled": True}}}
+    ),
+    # ... and the predicted-TTFT decider, its producer among the plugins.
+    "pd-predicted-ttft": deep_merge(
+        REQUIRED,
+        {
+            "inferenceExtension": {
+                "scheduling": {
+                    "scorers": {
+                        "predicted-ttft-scorer": {"weight": 1},
+                        "prefix-cache-scorer": {"enabled": False},
+                        "queue-scorer": {"enabled": False},
+                        "kv-cache-utilization-scorer": {"enabled": False},
+                        "active-request-scorer": {"enabled": False},
+                    },
+                    "plugins": [
+                        {"type": "approx-prefix-cache-producer"},
+                        {"type": "predicted-ttft-producer"},
+                    ],
+                },
+                "disaggregation": {
+                    "enabled": True,
+                    "decider": "predicted-ttft-pd-decider",
+                    "deciderParameters": {"predicted-ttft-pd-decider": {"streamDelayWeight": 0.5}},
+                },
+            }
+        },
+    ),
     "hub-cache-size-limit": deep_merge(
         REQUIRED,
         {"inferenceExtension": {"huggingFace": {"cache": {"sizeLimit": "2Gi"}}}},
@@ -339,6 +369,11 @@ def test_chart_metadata() -> None:
             "tokenizer-dir",
             id="tokenizer dir without a model",
         ),
+        pytest.param(
+            {"inferenceExtension": {"disaggregation": {"enabled": True, "decider": "x"}}},
+            "decider",
+            id="unknown P/D decider",
+        ),
     ],
 )
 def test_a_typo_fails_at_render_time_with_a_schema_error(
@@ -405,6 +440,16 @@ def test_a_typo_fails_at_render_time_with_a_schema_error(
             {"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8000}]}},
             "lists port 8000 twice",
             id="duplicate target port",
+        ),
+        pytest.param(
+            {
+                "inferenceExtension": {
+                    "disaggregation": {"enabled": True},
+                    "scheduling": {"filters": [{"type": "decode-filter"}]},
+                }
+            },
+            'plugin name "decode-filter" is used twice',
+            id="a role filter the P/D profiles add already",
         ),
         pytest.param(
             {"inferenceExtension": {"secureServing": {"certSecretName": "epp-tls"}}},
@@ -498,7 +543,8 @@ def test_the_config_the_picker_loads_is_valid_for_the_epp(
     chart: Rendered, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _load(_epp_config_text(chart), monkeypatch)
-    assert "default" in config.scheduler.profiles
+    # One profile, or llm-d's two for prefill/decode disaggregation.
+    assert sorted(config.scheduler.profiles) in (["default"], ["decode", "prefill"])
     # default-plugins.yaml is always there and valid, even when another file is used.
     _load(chart.config_files["default-plugins.yaml"], monkeypatch)
 
@@ -559,6 +605,39 @@ def test_filters_scorer_weights_and_picker_from_values(monkeypatch: pytest.Monke
     extractor = next(p for p in doc["plugins"] if p["type"] == "core-metrics-extractor")
     assert extractor["parameters"] == {"defaultEngine": "sglang"}
     assert "metrics-data-source" in config.plugins
+
+
+@pytest.mark.parametrize(
+    ("name", "decider"),
+    [
+        ("pd-prefix-decider", "prefix-based-pd-decider"),
+        ("pd-predicted-ttft", "predicted-ttft-pd-decider"),
+    ],
+)
+def test_disaggregation_values_build_llm_ds_two_profiles(
+    name: str, decider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _load(_epp_config_text(rendered(name)), monkeypatch)
+    profiles = config.scheduler.profiles
+    assert sorted(profiles) == ["decode", "prefill"]
+    # Each profile: its role filter first, then the same scorers and picker.
+    assert [f.type_name for f in profiles["decode"].filters] == ["decode-filter"]
+    assert [f.type_name for f in profiles["prefill"].filters] == ["prefill-filter"]
+    scorers = {p: sorted(s.slot.name for s in profiles[p].scorers) for p in profiles}
+    assert scorers["decode"] == scorers["prefill"] != []
+    handler = config.plugins["disagg-profile-handler"]
+    assert handler.decider_name == decider
+    assert type(config.plugins[decider]).__name__ == type(handler.decider).__name__
+    if decider == "prefix-based-pd-decider":
+        assert handler.decider.non_cached_tokens == 512  # the chart's default
+    else:
+        assert handler.decider.weight == 0.5
+
+
+def test_disaggregation_off_keeps_the_single_default_profile() -> None:
+    doc = yaml.safe_load(rendered("default").config_files["default-plugins.yaml"])
+    assert [p["name"] for p in doc["schedulingProfiles"]] == ["default"]
+    assert not {"decode-filter", "disagg-profile-handler"} & {p["type"] for p in doc["plugins"]}
 
 
 def test_a_whole_custom_config_is_used_as_given(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -169,7 +169,8 @@ weight}.
 
 {{/*
 Every plugin of default-plugins.yaml in the order of the file: filters, scorers,
-picker, the other plugins, and the metrics plugins a non-vLLM pool needs.
+picker, the other plugins, the P/D plugins (role filters, the decider, then the
+profile handler that names it) and the metrics plugins a non-vLLM pool needs.
 */}}
 {{- define "inferencepool.pluginList" -}}
 {{- $s := .Values.inferenceExtension.scheduling -}}
@@ -183,6 +184,14 @@ picker, the other plugins, and the metrics plugins a non-vLLM pool needs.
 {{- $plugins = append $plugins (include "inferencepool.pluginSpec" $s.picker | fromYaml) -}}
 {{- range $s.plugins -}}
 {{- $plugins = append $plugins (include "inferencepool.pluginSpec" . | fromYaml) -}}
+{{- end -}}
+{{- $pd := .Values.inferenceExtension.disaggregation | default dict -}}
+{{- if get $pd "enabled" -}}
+{{- $decider := dict "type" $pd.decider "parameters" (get ($pd.deciderParameters | default dict) $pd.decider) -}}
+{{- $plugins = append $plugins (dict "type" "decode-filter") -}}
+{{- $plugins = append $plugins (dict "type" "prefill-filter") -}}
+{{- $plugins = append $plugins (include "inferencepool.pluginSpec" $decider | fromYaml) -}}
+{{- $plugins = append $plugins (dict "type" "disagg-profile-handler" "parameters" (dict "deciderPluginName" $pd.decider)) -}}
 {{- end -}}
 {{- $engine := .Values.inferencePool.modelServerType -}}
 {{- if ne $engine "vllm" -}}
@@ -216,9 +225,17 @@ plugins:
   {{- end }}
 {{- end }}
 schedulingProfiles:
+{{- if get (.Values.inferenceExtension.disaggregation | default dict) "enabled" }}
+{{- range $role := list "decode" "prefill" }}
+- name: {{ $role }}
+  plugins:
+  {{- toYaml (prepend $refs (dict "pluginRef" (printf "%s-filter" $role))) | nindent 2 }}
+{{- end }}
+{{- else }}
 - name: default
   plugins:
   {{- toYaml $refs | nindent 2 }}
+{{- end }}
 {{- with $s.saturationDetector }}
 saturationDetector:
   {{ toYaml (dict "pluginRef" .) }}

@@ -10,12 +10,20 @@ from pathlib import Path
 
 import pytest
 
+from epp.config import load_config
 from epp.datastore import Endpoint
+from epp.director import Director
+from epp.requests import parse_request
+from epp.scheduling.registry import PluginRegistry
+from epp.scheduling.types import ResponseInfo
 from epp.sources.kube import KubeConfigError, KubeOptions
 from epp.sources.kube.objects import V1ALPHA2_GROUP, KvEventPorts
 from epp.sources.kube.source import load_client_configuration
+from epp.telemetry import Telemetry
 from sim.kubeapi import POOLS_V1, POOLS_V1ALPHA2, FakeKubeApi
 from tests.epp.sources.kube.conftest import LABELS, TOKEN, StartSource
+
+PD_CONFIG = (Path(__file__).resolve().parents[4] / "manifests/config/llm-d-pd.yaml").read_text()
 
 
 def add_pods(kube: FakeKubeApi, n: int, ready: bool = True, prefix: str = "vllm") -> None:
@@ -596,3 +604,45 @@ def test_no_configuration_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     broken.write_text("apiVersion: v1\nkind: Config\n")
     with pytest.raises(KubeConfigError, match="cannot configure the Kubernetes client"):
         load_client_configuration(str(broken))
+
+
+async def test_pod_roles_reach_the_pd_profiles_through_the_watcher(
+    kube: FakeKubeApi, start_source: StartSource
+) -> None:
+    """Prefill/decode roles come from the pods' `llm-d.ai/role` labels as the watcher
+    sees them: a role changed on a live pod changes where llm-d's P/D config sends
+    requests, with no restart."""
+    role = "llm-d.ai/role"
+    kube.put_pod("decode-0", labels={**LABELS, role: "decode"}, ip="10.0.0.1", ready=True)
+    kube.put_pod("prefill-0", labels={**LABELS, role: "prefill"}, ip="10.0.0.2", ready=True)
+    kube.put_pool("pool", selector=LABELS, ports=[8000])
+    run = await start_source(pool_name="pool")
+    await run.until(lambda: run.ready() == {"decode-0", "prefill-0"})
+    config = load_config(PD_CONFIG, PluginRegistry.from_entry_points(), datastore=run.datastore)
+    director = Director(run.datastore, config, Telemetry(run.datastore))
+
+    async def pick(prompt: str) -> tuple[str, dict[str, str]]:
+        request = parse_request(
+            request_id="r",
+            method="POST",
+            path="/v1/completions",
+            headers={},
+            body=b'{"model": "m", "prompt": "%s"}' % prompt.encode(),
+        )
+        decision = await director.pick_endpoint(request)
+        director.finish(decision, ResponseInfo(completed=True))
+        return decision.endpoint.name, dict(decision.result.request_headers)
+
+    assert await pick("a long uncached document " * 40) == (
+        "decode-0",
+        {"x-prefiller-host-port": "10.0.0.2:8000"},
+    )
+    # The prefill pod becomes a decode pod: no prefill pod is left, so a new long
+    # prompt runs whole on one of the two decode pods.
+    kube.update_pod("prefill-0", labels={**LABELS, role: "decode"})
+    await run.until(
+        lambda: (e := run.datastore.get("prefill-0")) is not None and e.labels[role] == "decode"
+    )
+    name, headers = await pick("another long uncached document " * 40)
+    assert headers == {}
+    assert name in {"decode-0", "prefill-0"}
