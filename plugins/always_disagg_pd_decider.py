@@ -19,6 +19,6 @@ class AlwaysDisaggPdDecider:
         pass
 
     def disaggregate(
-        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint
+        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint | None
     ) -> DisaggDecision:
         return DisaggDecision(True, "always")

@@ -76,8 +76,10 @@ class PredictedTtftPdDecider:
         return prediction.seconds + self.weight * decoding * prediction.own_work_s
 
     def disaggregate(
-        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint
+        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint | None
     ) -> DisaggDecision:
+        if decode is None:
+            return DisaggDecision(False, "no decode endpoint to judge")
         predictions = cycle.get(self.key)
         if predictions is None:
             self._warn_once()

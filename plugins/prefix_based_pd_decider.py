@@ -68,11 +68,13 @@ class PrefixBasedPdDecider:
         self._warned = False
 
     def disaggregate(
-        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint
+        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint | None
     ) -> DisaggDecision:
         thresholds = {"nonCachedTokens": self.non_cached_tokens, "promptTokens": self.prompt_tokens}
         if self.non_cached_tokens <= 0:
             return DisaggDecision(False, OFF, thresholds)
+        if decode is None:
+            return DisaggDecision(False, "no decode endpoint to judge", thresholds)
         info = cycle.get(self.key)
         if info is None:
             self._warn_once()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -190,7 +191,7 @@ class _Plugins:
                 type_name=decl.type_name,
                 datastore=r.datastore,
                 metrics=r.metrics,
-                plugins=dict(self.built),
+                plugins=MappingProxyType(self.built),
                 settings=r.settings,
                 clock=r.clock,
                 sleep=r.sleep,

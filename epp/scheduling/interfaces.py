@@ -155,7 +155,10 @@ class PluginContext:
     type_name: str  # its type, as written in the config
     datastore: Datastore  # read-only for plugins
     metrics: CollectorRegistry  # register the plugin's own Prometheus metrics here
-    plugins: Mapping[str, object]  # plugins built before this one, by name
+    # The config's plugins by name, read-only: those declared before this one are
+    # there while it is built; those declared after it once the whole config is
+    # (a plugin that names a later one resolves it then, e.g. in check_profiles).
+    plugins: Mapping[str, object]
     settings: ServerSettings = field(default_factory=ServerSettings)
     # The time every decision is made at: read it here, never from the time module.
     clock: Clock = SYSTEM_CLOCK
@@ -303,15 +306,19 @@ class ProfileHandler(Protocol):
 
 @runtime_checkable
 class DisaggregationDecider(Protocol):
-    """Decides whether a request's prefill runs on a prefill endpoint of its own
-    (prefill/decode disaggregation, llm-d's "pd decider"). Not called by the
-    framework: a disaggregating profile handler (`disagg-profile-handler`) names
-    its decider in its parameters and asks it once per request.
+    """Decides whether a stage of a request runs on endpoints of its own: its
+    prefill on a prefill endpoint (prefill/decode disaggregation, llm-d's "pd
+    decider"), or its encoding on encode endpoints (llm-d's encode decider). Not
+    called by the framework: a disaggregating profile handler
+    (`disagg-profile-handler`) names its deciders in its parameters and asks each
+    at most once per request.
 
     Gets the request, its cycle state (what the data producers left there, such as
     the prefix match info of a prefix producer) and `decode`, the endpoint the
     decode profile has already picked: the decision is about that endpoint, since
-    what it already caches is what it would not have to prefill itself.
+    what it already caches is what it would not have to prefill itself. `decode` is
+    None only for an encode decider asked before the decode profile ran
+    (`stageOrder: prefill-first`); a prefill decider always gets an endpoint.
 
     Returns a `DisaggDecision`: whether to disaggregate, and why. It only reads:
     no state of its own changes and nothing is written to the cycle state (the
@@ -319,7 +326,7 @@ class DisaggregationDecider(Protocol):
     it too. Quick, like a filter."""
 
     def disaggregate(
-        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint
+        self, request: InferenceRequest, cycle: CycleState, decode: Endpoint | None
     ) -> DisaggDecision: ...
 
 

@@ -57,6 +57,7 @@ class MyScorer:
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.scores = params.scores
         self.context = context
+        self.saw_at_build = sorted(context.plugins)
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
@@ -308,7 +309,7 @@ def test_filters_scorers_and_parameters(registry: PluginRegistry) -> None:
     assert picker.max_endpoints == 2
 
 
-def test_plugin_context_sees_plugins_built_before(registry: PluginRegistry) -> None:
+def test_plugin_context_sees_plugins_built_before_then_all(registry: PluginRegistry) -> None:
     datastore = Datastore()
     config = load(
         f"""\
@@ -325,8 +326,14 @@ def test_plugin_context_sees_plugins_built_before(registry: PluginRegistry) -> N
     first, second = config.plugins["first"], config.plugins["second"]
     assert isinstance(first, MyScorer)
     assert isinstance(second, MyScorer)
-    assert dict(first.context.plugins) == {}
-    assert dict(second.context.plugins) == {"first": first}
+    assert first.saw_at_build == []
+    assert second.saw_at_build == ["first"]
+    # Once the config is built, every plugin sees all of them (a plugin naming a
+    # later one resolves it then), read-only.
+    assert first.context.plugins["second"] is second
+    assert set(first.context.plugins) == set(config.plugins)
+    with pytest.raises(TypeError):
+        first.context.plugins["third"] = second  # type: ignore[index]
     assert second.context.datastore is datastore
 
 

@@ -626,12 +626,13 @@ def test_disaggregation_values_build_llm_ds_two_profiles(
     scorers = {p: sorted(s.slot.name for s in profiles[p].scorers) for p in profiles}
     assert scorers["decode"] == scorers["prefill"] != []
     handler = config.plugins["disagg-profile-handler"]
-    assert handler.decider_name == decider
-    assert type(config.plugins[decider]).__name__ == type(handler.decider).__name__
+    stage = handler.engine.prefill
+    assert stage.decider_name == decider
+    assert stage.decider is config.plugins[decider]
     if decider == "prefix-based-pd-decider":
-        assert handler.decider.non_cached_tokens == 512  # the chart's default
+        assert stage.decider.non_cached_tokens == 512  # the chart's default
     else:
-        assert handler.decider.weight == 0.5
+        assert stage.decider.weight == 0.5
 
 
 def test_disaggregation_off_keeps_the_single_default_profile() -> None:

@@ -274,7 +274,7 @@ PD_CONFIG = {
         {"type": "predicted-ttft-pd-decider", "parameters": {}},
         {
             "type": "disagg-profile-handler",
-            "parameters": {"deciderPluginName": "predicted-ttft-pd-decider"},
+            "parameters": {"deciders": {"prefill": "predicted-ttft-pd-decider"}},
         },
     ],
     "schedulingProfiles": [

@@ -34,7 +34,8 @@ plugins:
     nonCachedTokens: 100
 - type: disagg-profile-handler
   parameters:
-    deciderPluginName: prefix-based-pd-decider
+    deciders:
+      prefill: prefix-based-pd-decider
 schedulingProfiles:
 - name: decode
   plugins:

@@ -191,7 +191,7 @@ profile handler that names it) and the metrics plugins a non-vLLM pool needs.
 {{- $plugins = append $plugins (dict "type" "decode-filter") -}}
 {{- $plugins = append $plugins (dict "type" "prefill-filter") -}}
 {{- $plugins = append $plugins (include "inferencepool.pluginSpec" $decider | fromYaml) -}}
-{{- $plugins = append $plugins (dict "type" "disagg-profile-handler" "parameters" (dict "deciderPluginName" $pd.decider)) -}}
+{{- $plugins = append $plugins (dict "type" "disagg-profile-handler" "parameters" (dict "deciders" (dict "prefill" $pd.decider))) -}}
 {{- end -}}
 {{- $engine := .Values.inferencePool.modelServerType -}}
 {{- if ne $engine "vllm" -}}
