@@ -29,6 +29,12 @@ Workloads (lengths in tokens):
   the chat template's opening (no system prompt of their own; Qwen's template then
   adds its default one): what a prefix-aware router has nothing to gain on, so it
   shows what its load balancing is worth alone.
+- `rag`: retrieval-augmented questions: `requests` prompts, each a short system
+  instruction of `system_len` tokens shared by all, then one user message holding a
+  retrieved document of `document_len` tokens (one of `documents`, the popular ones
+  more often: Zipf weights 1 / rank) followed by a question of `question_len` tokens;
+  short answers of `output_len` tokens. Long prompts whose documents recur, short
+  outputs: the shape prefill/decode disaggregation is for.
 - `trace`: replay of a Mooncake-style JSONL trace, one request per line
   `{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`. Each hash id
   stands for a 512-token block; its words are drawn from a generator seeded by
@@ -64,7 +70,7 @@ DEFAULT_TOKENIZER = Path(
     os.path.normpath(ROOT / ".." / "shared" / "testdata" / "tokenizers" / "qwen2_5")
 )
 
-WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "no-reuse", "trace")
+WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "no-reuse", "rag", "trace")
 TRACE_BLOCK_TOKENS = 512
 TRACE_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -345,6 +351,44 @@ def no_reuse(
     return Workload("no-reuse", params, sessions)
 
 
+def rag(
+    words: Words,
+    *,
+    documents: int = 64,
+    requests: int = 512,
+    system_len: int = 64,
+    document_len: int = 4096,
+    question_len: int = 32,
+    output_len: int = 32,
+    seed: int = 0,
+) -> Workload:
+    if documents < 1:
+        raise ValueError("rag needs at least 1 document")
+    rng = random.Random(f"rag:{seed}")
+    system = words.text(rng, system_len)
+    texts = [words.text(rng, document_len) for _ in range(documents)]
+    # Zipf popularity: document i (0-based) is retrieved with weight 1 / (i + 1).
+    weights = [1.0 / (i + 1) for i in range(documents)]
+    picks = rng.choices(range(documents), weights=weights, k=requests)
+    sessions = []
+    for i, d in enumerate(picks):
+        # Clean words each start with a space: the document and the question join
+        # into one text of document_len + question_len tokens.
+        user = texts[d] + words.text(rng, question_len)
+        turn = Turn((("system", system), ("user", user)), output_len)
+        sessions.append(Session(i, d, (turn,)))
+    params = {
+        "documents": documents,
+        "requests": requests,
+        "system_len": system_len,
+        "document_len": document_len,
+        "question_len": question_len,
+        "output_len": output_len,
+        "seed": seed,
+    }
+    return Workload("rag", params, tuple(sessions))
+
+
 @dataclass(frozen=True)
 class TraceRecord:
     timestamp_ms: float
@@ -495,6 +539,8 @@ class WorkloadSpec:
             return multi_turn(words, seed=self.seed, **options)
         if self.name == "no-reuse":
             return no_reuse(words, seed=self.seed, **options)
+        if self.name == "rag":
+            return rag(words, seed=self.seed, **options)
         if self.name == "trace":
             if self.trace_path is None:
                 raise ValueError("the trace workload needs a trace file (--trace FILE)")
@@ -535,6 +581,14 @@ WORKLOAD_OPTIONS: dict[str, dict[str, str]] = {
         "question_len": "question_len",
         "output_len": "output_len",
     },
+    "rag": {
+        "documents": "documents",
+        "requests": "requests",
+        "system_len": "system_len",
+        "document_len": "document_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
     "trace": {"trace_limit": "limit", "trace_speed": "speed", "max_input_len": "max_input_len"},
 }
 ALL_WORKLOAD_OPTIONS = sorted({k for opts in WORKLOAD_OPTIONS.values() for k in opts})
@@ -545,7 +599,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_argument_group("workload shape (tokens; defaults are the workload's)")
     shape.add_argument("--groups", type=int)
     shape.add_argument("--prompts-per-group", type=int)
-    shape.add_argument("--requests", type=int, help="hot-prefix, no-reuse: total requests")
+    shape.add_argument("--requests", type=int, help="hot-prefix, no-reuse, rag: total requests")
+    shape.add_argument("--documents", type=int, help="rag: distinct documents")
+    shape.add_argument("--document-len", type=int, help="rag: tokens per document")
     shape.add_argument("--hot-share", type=float, help="hot-prefix: the hot group's share")
     shape.add_argument("--conversations", type=int)
     shape.add_argument("--turns", type=int)

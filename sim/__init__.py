@@ -28,6 +28,9 @@ events are published, or how the cache hits):
 - hash algorithms `sha256` and `sha256_cbor` only (no xxhash, no builtin `hash()`);
 - FCFS scheduling only; chunked prefill always on; no speculative decoding and no
   async scheduling overlap; preemption is by recompute, of the last admitted request;
+- prefill/decode disaggregation (docs/disaggregation.md) models NIXL's protocol and
+  a transfer time, not the transfer: the prefill leg's blocks are freed at once
+  (vLLM holds them until read), transfers never fail, there is no handshake;
 - no re-emission of hits (`kv_cache_report_mode=full`), no offloading connectors;
 - prefix-cache query/hit counters count each request once, at its first admission
   (vLLM counts lookups, including those of a request kept waiting);

@@ -15,11 +15,12 @@ from sim.engine import EngineConfig
 from sim.fleet import plan_fleet, run_fleet
 from sim.hashing import EXTRA_KEYS_FORMATS, HASH_ALGOS, resolve_hash_seed
 from sim.kv_events import EVENT_FORMATS
+from sim.latency import LatencyModel
 from sim.publisher import REPLAY_LAYOUTS
-from sim.server import SimConfig, SimPod
+from sim.server import ROLES, SimConfig, SimPod
 
 # Options the fleet sets for each pod itself.
-FLEET_OWNED = ("--host", "--port", "--name", "--kv-events-port", "--replay-port")
+FLEET_OWNED = ("--host", "--port", "--name", "--kv-events-port", "--replay-port", "--role")
 
 
 def add_pod_options(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +125,28 @@ def add_pod_options(parser: argparse.ArgumentParser) -> None:
         " subscriber",
     )
 
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    pd.add_argument(
+        "--kv-transfer-bandwidth",
+        type=float,
+        default=LatencyModel.kv_transfer_bandwidth,
+        help="bytes/s a decode pod pulls a prefill pod's KV cache at (KV bytes per token"
+        " are the model's: 128 KiB for Llama-3.1-8B)",
+    )
+    pd.add_argument(
+        "--kv-transfer-latency",
+        type=float,
+        default=LatencyModel.kv_transfer_latency_s,
+        help="simulated seconds each KV transfer costs on top of its bytes",
+    )
+    pd.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=60.0,
+        help="wall seconds the pod's sidecar waits for a prefill leg before it prefills"
+        " the request itself",
+    )
+
     knobs = parser.add_argument_group("test knobs")
     knobs.add_argument(
         "--metrics-delay", type=float, default=0.0, help="wall seconds /metrics waits"
@@ -145,6 +168,12 @@ def _serve_parser(prog: str) -> argparse.ArgumentParser:
     listen.add_argument("--name", default=None, help="pod name (x-sim-pod header); none: sim-PORT")
     listen.add_argument("--kv-events-port", type=int, default=None, help="KV-event PUB port")
     listen.add_argument("--replay-port", type=int, default=None, help="replay ROUTER port")
+    listen.add_argument(
+        "--role",
+        choices=ROLES,
+        default=None,
+        help="the pod's llm-d.ai/role (none: no label, a pod serving whole requests)",
+    )
     add_pod_options(parser)
     return parser
 
@@ -153,6 +182,15 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.replay_port is not None and args.kv_events_port is None:
         raise SystemExit("--replay-port needs --kv-events-port")
     seed = args.hash_seed if args.hash_seed is not None else resolve_hash_seed(os.environ)
+    if not args.prefill_timeout > 0:
+        raise SystemExit("error: --prefill-timeout must be > 0")
+    try:
+        latency = LatencyModel(
+            kv_transfer_bandwidth=args.kv_transfer_bandwidth,
+            kv_transfer_latency_s=args.kv_transfer_latency,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     try:
         engine = EngineConfig(
             block_size=args.block_size,
@@ -184,6 +222,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         replay_buffer_steps=args.replay_buffer_steps,
         kv_events_hwm=args.kv_events_hwm,
         metrics_delay_s=args.metrics_delay,
+        role=args.role,
+        prefill_timeout_s=args.prefill_timeout,
+        latency=latency,
     )
 
 
@@ -226,6 +267,14 @@ def fleet_main(argv: Sequence[str]) -> int:
     parser.add_argument("--replay-base-port", type=int, default=None, help="none: base-port + 2n")
     parser.add_argument("--no-kv-events", action="store_true", help="pods publish no KV events")
     parser.add_argument("--name-prefix", default="sim")
+    parser.add_argument(
+        "--prefill-pods",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a P/D fleet: pods 0..N-1 get the llm-d.ai/role prefill, the others decode"
+        " (0: no roles, no labels)",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="one log file per pod")
     args, serve_args = parser.parse_known_args(argv)
     owned = [a for a in serve_args if a.split("=", 1)[0] in FLEET_OWNED]
@@ -241,6 +290,7 @@ def fleet_main(argv: Sequence[str]) -> int:
             args.replay_base_port,
             args.name_prefix,
             kv_events=not args.no_kv_events,
+            prefill_pods=args.prefill_pods,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -38,6 +38,28 @@ of a request is one in which the scheduler's decode path would have appended it
 to the batch and done nothing else, and the step's price depends only on the
 batch's totals.
 
+Prefill/decode disaggregation (docs/disaggregation.md), as vLLM with its NIXL KV
+connector does it:
+
+- A prefill leg (`remote_decode`: the request's `kv_transfer_params` ask for a
+  remote decode; the sidecar sets max_tokens 1) runs as any request. When it ends
+  on its length it records the ids of the blocks holding its prompt's full blocks
+  (`kv_block_ids`), which the server returns as `remote_block_ids`: the decode pod
+  pulls those. (vLLM then keeps the blocks held until the decode pod has read them;
+  here they are freed at once and only stay cached.)
+- A decode leg (`remote`: the prefill leg's answer) waiting at the head of the
+  queue looks up its local prefix hits, allocates blocks for every token the
+  prefill pod holds, and leaves the queue for `receiving` (vLLM's
+  WAITING_FOR_REMOTE_KVS: blocks held, never scheduled, counted as waiting) for
+  `LatencyModel.kv_transfer_time` of the tokens it lacks locally, from the moment
+  it was allocated. The first step that begins after that caches the loaded blocks
+  and puts the request back at the head of the waiting queue with those tokens
+  computed; it then computes only what the prefill pod did not send (the last
+  partial block, and always the prompt's last token, whose logits give the first
+  token) and decodes normally. A preempted decode leg recomputes locally. A
+  core with only receiving requests has no step to run: its driver wakes it at
+  `next_ready_at()`.
+
 Two layers: `EngineCore` is the scheduler loop's state and its steps, synchronous
 and driven from outside (`begin_step` schedules one step and says how long it
 takes, `finish_step` applies it at the time it ends); it reads time from the
@@ -107,6 +129,8 @@ class SimClock:
 
 class RequestState(enum.Enum):
     WAITING = "waiting"
+    # A decode leg whose KV cache is being pulled from its prefill pod.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -128,6 +152,16 @@ class OutputSink(Protocol):
     `put_nowait` for a simulation."""
 
     def put_nowait(self, item: TokenOutput, /) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """What a decode leg knows of its prefill leg (vLLM's `kv_transfer_params` with
+    `do_remote_prefill`): the prefill pod's engine and the blocks holding the prompt's
+    KV there, in token order (block i holds tokens [i*B, (i+1)*B))."""
+
+    engine_id: str | None
+    block_ids: tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -163,6 +197,19 @@ class EngineRequest:
     # scheduled one by one again.
     quiet_since: int = -1
     quiet_until: int = 0
+    # Prefill/decode disaggregation (module docstring). A prefill leg: its prompt's
+    # blocks, recorded when it finished on its length.
+    remote_decode: bool = False
+    kv_block_ids: tuple[int, ...] | None = None
+    # A decode leg: where its KV comes from; once allocated, when the transfer ends
+    # (core clock), the tokens it loads (local hits included), the tokens and the
+    # time it transfers; `loaded`: back in the waiting queue with its tokens computed.
+    remote: RemotePrefill | None = None
+    kv_ready_at: float | None = None
+    kv_loaded_tokens: int = 0
+    kv_transfer_tokens: int = 0
+    kv_transfer_s: float = 0.0
+    loaded: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -230,6 +277,11 @@ class EngineCore:
         self.kv = self._new_kv_cache()
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+        # Decode legs pulling their KV cache (WAITING_FOR_REMOTE_KVS), in the order
+        # their transfers started.
+        self.receiving: list[EngineRequest] = []
+        # Names this engine in the `remote_engine_id` of its prefill legs' answers.
+        self.engine_id = "sim-engine"
         self.stats = EngineStats()
         self.restarts = 0
         self._request_counter = 0
@@ -255,16 +307,29 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
+        """Whether there is a step to run (receiving requests wait for no step)."""
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests as vLLM counts them: those pulling remote KVs included."""
+        return len(self.waiting) + len(self.receiving)
+
+    def next_ready_at(self) -> float | None:
+        """When the first receiving request's transfer ends (core clock), or None."""
+        if not self.receiving:
+            return None
+        return min(r.kv_ready_at for r in self.receiving if r.kv_ready_at is not None)
 
     def restart(self) -> None:
         """Like an engine process restart: requests fail, cache and counters are empty."""
-        for request in [*self.waiting, *self.running]:
+        for request in [*self.waiting, *self.receiving, *self.running]:
             request.state = RequestState.ABORTED
             request.outputs.put_nowait(
                 TokenOutput(request.choice_index, (), error="engine restarted")
             )
         self.waiting.clear()
+        self.receiving.clear()
         self.running.clear()
         self._loud.clear()
         self._quiet.clear()
@@ -278,6 +343,8 @@ class EngineCore:
 
     def begin_step(self) -> Step:
         """Schedule the next step (see the module docstring) and price it."""
+        if self.receiving:
+            self._receive()
         quiet = len(self._quiet)
         due = self._due
         if (
@@ -345,10 +412,15 @@ class EngineCore:
         stream: bool = True,
         sequence: TokenSequence | None = None,
         quiet: bool = False,
+        remote_decode: bool = False,
+        remote: RemotePrefill | None = None,
     ) -> EngineRequest:
         """Queue a request. `sequence`: the prompt's `kv.new_sequence`, if the caller
         already made it (its block hashes are not computed again). `quiet`: only the
-        first token and the end are put to `outputs` (`EngineRequest.quiet`)."""
+        first token and the end are put to `outputs` (`EngineRequest.quiet`).
+        `remote_decode`: a prefill leg; `remote`: a decode leg (module docstring)."""
+        if remote_decode and remote is not None:
+            raise ValueError("a request is a prefill leg or a decode leg, not both")
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
@@ -365,8 +437,14 @@ class EngineCore:
             prompt_len=len(prompt_token_ids),
             arrival_time=self.now(),
             quiet=quiet,
+            remote_decode=remote_decode,
+            remote=remote,
         )
         self.waiting.append(request)
+        if remote_decode:
+            self.stats.prefill_legs += 1
+        elif remote is not None:
+            self.stats.decode_legs += 1
         self.stats.requests_received += 1
         self.stats.prompt_tokens += len(prompt_token_ids)
         self._on_new_work()
@@ -377,6 +455,9 @@ class EngineCore:
         if request.state is RequestState.WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
+        elif request.state is RequestState.WAITING_FOR_REMOTE_KVS:
+            with contextlib.suppress(ValueError):
+                self.receiving.remove(request)
         elif request.state is RequestState.RUNNING:
             if request.quiet_since >= 0:
                 self._catch_up(request)
@@ -468,11 +549,27 @@ class EngineCore:
 
         while not preempted and self.waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = self.waiting[0]
-            hits = kv.find_prefix_hit(request.seq)
-            computed = len(hits) * block_size
-            new_tokens = min(request.num_tokens - computed, budget)
-            if not kv.allocate_slots(request.seq, computed, new_tokens, hits):
-                break  # head-of-line: wait for blocks to be freed
+            if request.remote is not None and request.kv_ready_at is None:
+                # A decode leg at the head for the first time: its transfer starts.
+                started = self._start_receiving(request)
+                if started is None:
+                    break  # head-of-line: wait for blocks to be freed
+                if started:
+                    continue  # it left the queue; the next one may run
+                # Nothing to pull: it prefills here like any request.
+            if request.loaded:
+                # Its KV arrived: its blocks are held, its loaded tokens computed.
+                computed = request.num_computed_tokens
+                new_tokens = min(request.num_tokens - computed, budget)
+                if not kv.allocate_slots(request.seq, computed, new_tokens):
+                    break
+                request.loaded = False
+            else:
+                hits = kv.find_prefix_hit(request.seq)
+                computed = len(hits) * block_size
+                new_tokens = min(request.num_tokens - computed, budget)
+                if not kv.allocate_slots(request.seq, computed, new_tokens, hits):
+                    break  # head-of-line: wait for blocks to be freed
             self.waiting.popleft()
             request.state = RequestState.RUNNING
             request.num_computed_tokens = computed
@@ -487,6 +584,66 @@ class EngineCore:
             scheduled.append(Scheduled(request, new_tokens, computed))
             budget -= new_tokens
         return scheduled, preempted
+
+    # -- prefill/decode disaggregation (module docstring) ----------------------------
+
+    def _start_receiving(self, request: EngineRequest) -> bool | None:
+        """Start pulling a decode leg's KV cache: True when it now waits for it, False
+        when there is nothing to pull (it stays at the head of the queue, to be
+        prefilled here), None when the pool cannot hold it now."""
+        remote = request.remote
+        assert remote is not None
+        kv = self.kv
+        seq = request.seq
+        block_size = self.config.block_size
+        now = self.now()
+        hits = kv.find_prefix_hit(seq)
+        local = len(hits) * block_size
+        # The prefill pod's full blocks of this prompt (no more than the prompt has),
+        # and the tokens they give: all but the prompt's last token, which is always
+        # computed here for its logits.
+        remote_blocks = min(len(remote.block_ids), len(seq.token_ids) // block_size)
+        loaded = min(remote_blocks * block_size, request.num_tokens - 1)
+        if loaded <= local:
+            request.kv_ready_at = now
+            return False
+        if not kv.allocate_for_load(seq, hits, remote_blocks * block_size):
+            return None
+        self.waiting.popleft()
+        request.state = RequestState.WAITING_FOR_REMOTE_KVS
+        stats = self.stats
+        request.num_cached_tokens = local
+        stats.prefix_cache_queries += request.num_tokens
+        stats.prefix_cache_hits += local
+        stats.external_prefix_cache_queries += request.num_tokens
+        stats.external_prefix_cache_hits += loaded - local
+        # Whole blocks move: those the prefill pod holds beyond the local hits.
+        request.kv_transfer_tokens = remote_blocks * block_size - local
+        request.kv_transfer_s = self.latency.kv_transfer_time(request.kv_transfer_tokens)
+        request.kv_loaded_tokens = loaded
+        request.kv_ready_at = now + request.kv_transfer_s
+        self.receiving.append(request)
+        return True
+
+    def _receive(self) -> None:
+        """Decode legs whose transfer has ended go back to the head of the waiting
+        queue (in the order their transfers started), their loaded tokens computed."""
+        now = self.now()
+        ready = [r for r in self.receiving if r.kv_ready_at is not None and r.kv_ready_at <= now]
+        if not ready:
+            return
+        stats = self.stats
+        for request in ready:
+            self.receiving.remove(request)
+            self.kv.cache_loaded(request.seq, request.kv_loaded_tokens)
+            request.num_computed_tokens = request.kv_loaded_tokens
+            request.state = RequestState.WAITING
+            request.loaded = True
+            stats.nixl_xfer_time.observe(request.kv_transfer_s)
+            stats.nixl_bytes_transferred.observe(
+                self.latency.kv_transfer_bytes(request.kv_transfer_tokens)
+            )
+        self.waiting.extendleft(reversed(ready))
 
     def _budget_covers_quiet(self, budget: int) -> bool:
         """Whether every quiet request gets its token this step: the tokens of the
@@ -510,6 +667,7 @@ class EngineCore:
         self.kv.free(request.seq)
         request.state = RequestState.WAITING
         request.num_computed_tokens = 0
+        request.loaded = False
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
@@ -544,6 +702,11 @@ class EngineCore:
                 request.first_token_time = now
                 stats.ttft.observe(now - request.arrival_time)
             if len(generated) >= request.max_tokens:
+                if request.remote_decode and request.finish_reason == "length":
+                    # The prefill leg's answer (before its consumer hears of its end):
+                    # the blocks its prompt's full blocks are in.
+                    full = request.prompt_len // block_size
+                    request.kv_block_ids = tuple(seq.blocks[:full])
                 request.outputs.put_nowait(
                     TokenOutput(
                         request.choice_index,
@@ -676,8 +839,10 @@ class Engine(EngineCore):
     async def _run(self) -> None:
         while True:
             if not self.waiting and not self.running:
-                await self._idle()
-                continue
+                ready = self.next_ready_at()
+                if ready is None or ready > self.now():
+                    await self._idle()
+                    continue
             generation = self._generation
             step = self.begin_step()
             if step.empty:
@@ -692,9 +857,16 @@ class Engine(EngineCore):
             await self._publish(self.take_events())
 
     async def _idle(self) -> None:
+        """Wait for new work, or for the first receiving request's transfer to end."""
         self._next_step_wall = None
         self._wakeup.clear()
-        await self._wakeup.wait()
+        ready = self.next_ready_at()
+        if ready is None:
+            await self._wakeup.wait()
+            return
+        delay = max(0.0, (ready - self.now()) * self.config.time_scale)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), delay)
 
     async def _publish(self, events: list[KVEvent]) -> None:
         if events and self.sink is not None:

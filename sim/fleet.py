@@ -6,7 +6,10 @@ Ports, for `--n N --base-port P` (defaults, each base can be moved):
 - publishes KV events on K + i, K = `--kv-events-base-port` (default P + N);
 - answers replay requests on R + i, R = `--replay-base-port` (default P + 2N).
 
-So by default the fleet uses the 3N ports P .. P + 3N - 1. Once every pod answers
+So by default the fleet uses the 3N ports P .. P + 3N - 1. With `--prefill-pods M`
+(a prefill/decode fleet) pods 0..M-1 get the role `prefill` and the others
+`decode`: each pod is started with `--role` and its endpoints-file entry carries
+the label `llm-d.ai/role`, which the EPP's role filters read. Once every pod answers
 `/health`, the fleet writes the endpoints file the EPP reads (`--endpoints-file`,
 with `name`, `address`, `kvEvents`, `kvEventsReplay`: docs/architecture.md,
 "Processes, ports, the endpoints file"), atomically, then runs
@@ -32,6 +35,10 @@ from typing import IO, Any
 
 import yaml
 
+# The pods' role label (llm-d's; sim.server.ROLE_LABEL, not imported: the fleet does
+# not load the server).
+ROLE_LABEL = "llm-d.ai/role"
+
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 60.0
 
@@ -42,6 +49,7 @@ class FleetPod:
     http_port: int
     kv_events_port: int | None
     replay_port: int | None
+    role: str | None = None  # its llm-d.ai/role label
 
 
 def plan_fleet(
@@ -51,9 +59,12 @@ def plan_fleet(
     replay_base_port: int | None = None,
     name_prefix: str = "sim",
     kv_events: bool = True,
+    prefill_pods: int = 0,
 ) -> list[FleetPod]:
     if n < 1:
         raise ValueError("--n must be >= 1")
+    if not 0 <= prefill_pods < n:
+        raise ValueError("--prefill-pods must be in 0..n-1 (a P/D fleet needs a decode pod)")
     kv_base = base_port + n if kv_events_base_port is None else kv_events_base_port
     replay_base = base_port + 2 * n if replay_base_port is None else replay_base_port
     pods = [
@@ -62,6 +73,7 @@ def plan_fleet(
             http_port=base_port + i,
             kv_events_port=kv_base + i if kv_events else None,
             replay_port=replay_base + i if kv_events else None,
+            role=None if not prefill_pods else "prefill" if i < prefill_pods else "decode",
         )
         for i in range(n)
     ]
@@ -86,6 +98,8 @@ def endpoints_document(pods: Sequence[FleetPod], host: str) -> dict[str, Any]:
             entry["kvEvents"] = f"tcp://{address}:{pod.kv_events_port}"
         if pod.replay_port is not None:
             entry["kvEventsReplay"] = f"tcp://{address}:{pod.replay_port}"
+        if pod.role is not None:
+            entry["labels"] = {ROLE_LABEL: pod.role}
         entries.append(entry)
     return {"endpoints": entries}
 
@@ -105,6 +119,8 @@ def pod_argv(pod: FleetPod, host: str, serve_args: Sequence[str]) -> list[str]:
         argv += ["--kv-events-port", str(pod.kv_events_port)]
     if pod.replay_port is not None:
         argv += ["--replay-port", str(pod.replay_port)]
+    if pod.role is not None:
+        argv += ["--role", pod.role]
     return argv + list(serve_args)
 
 

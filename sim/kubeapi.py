@@ -768,6 +768,18 @@ def _json(status: int, body: object) -> web.Response:
 # Standalone: `python -m sim kubeapi`, with an optional pod churn for benchmarks.
 
 
+ROLE_LABEL = "llm-d.ai/role"
+
+
+def pod_labels(labels: Mapping[str, str], index: int, prefill_pods: int) -> dict[str, str]:
+    """Pod `index`'s labels: `labels`, and in a P/D pool (`prefill_pods` > 0) its
+    llm-d.ai/role: prefill for the first `prefill_pods` pods, decode for the others."""
+    out = dict(labels)
+    if prefill_pods > 0:
+        out[ROLE_LABEL] = "prefill" if index < prefill_pods else "decode"
+    return out
+
+
 async def _serve(args: argparse.Namespace) -> None:
     api = FakeKubeApi(
         token=args.token,
@@ -778,7 +790,7 @@ async def _serve(args: argparse.Namespace) -> None:
     labels = dict(kv.split("=", 1) for kv in args.labels.split(",") if kv)
     for i in range(args.pods):
         ip = f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{(i & 255) + 1}"
-        api.put_pod(f"pod-{i}", labels=labels, ip=ip, ready=True)
+        api.put_pod(f"pod-{i}", labels=pod_labels(labels, i, args.prefill_pods), ip=ip, ready=True)
     if args.pool:
         api.put_pool(args.pool, selector=labels, ports=[args.target_port])
     if args.kubeconfig:
@@ -812,7 +824,17 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--pool", default=None, help="create an InferencePool of this name")
     parser.add_argument("--target-port", type=int, default=8000, help="the pool's target port")
     parser.add_argument("--pods", type=int, default=0, help="Ready pods to create")
+    parser.add_argument(
+        "--prefill-pods",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a P/D pool: the first N pods get llm-d.ai/role=prefill, the others decode"
+        " (the pool's selector stays --labels)",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.prefill_pods < max(args.pods, 1):
+        parser.error("--prefill-pods must be in 0..pods-1 (a P/D pool needs a decode pod)")
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(_serve(args))
     return 0
@@ -827,5 +849,6 @@ __all__ = [
     "RequestRecord",
     "main",
     "parse_label_selector",
+    "pod_labels",
     "status_body",
 ]

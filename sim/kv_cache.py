@@ -341,6 +341,34 @@ class KVCacheManager:
             seq.num_cached_blocks = num_full
         return True
 
+    def allocate_for_load(self, seq: TokenSequence, hit_blocks: list[int], num_tokens: int) -> bool:
+        """Blocks for the first `num_tokens` tokens of a sequence whose KV cache is
+        about to be pulled from another pod: the prefix hits are taken, the rest
+        allocated, and nothing more is cached (the blocks are empty until the
+        transfer ends: `cache_loaded`). vLLM allocates a request waiting for remote
+        KVs the same way, with block caching delayed.
+
+        Returns False, changing nothing, when the pool is short of free blocks."""
+        if seq.blocks:
+            raise ValueError("only a sequence holding no blocks loads remote KVs")
+        if self._blocks_short(seq, 0, num_tokens, hit_blocks) > 0:
+            return False
+        if hit_blocks:
+            self.pool.touch(hit_blocks)
+            seq.blocks.extend(hit_blocks)
+            seq.num_cached_blocks = len(hit_blocks)
+        needed = self.blocks_needed(num_tokens)
+        if needed > len(seq.blocks):
+            seq.blocks.extend(self.pool.allocate(needed - len(seq.blocks)))
+        return True
+
+    def cache_loaded(self, seq: TokenSequence, num_tokens: int) -> None:
+        """The first `num_tokens` tokens' KV arrived: cache the blocks they fill."""
+        num_full = min(num_tokens, len(seq.token_ids)) // self.block_size
+        if num_full > seq.num_cached_blocks:
+            self.pool.cache_full_blocks(seq, seq.num_cached_blocks, num_full)
+            seq.num_cached_blocks = num_full
+
     def free(self, seq: TokenSequence) -> None:
         """Release a finished (or preempted) sequence's blocks, tail first."""
         self.pool.free(seq.blocks[::-1])

@@ -32,6 +32,22 @@ Constants and where they come from:
   H100: prefill of 2,000 uncached tokens ~49 ms (TTFT at low load ~45-50 ms), and a
   decode step ~7 ms at batch 1 (~140 tokens/s for one stream), ~15 ms for 64
   streams with 2,000 tokens of context each.
+
+KV transfer (prefill/decode disaggregation, docs/disaggregation.md): a decode pod
+pulls the prompt's KV cache from the prefill pod before it decodes. The transfer
+takes `kv_transfer_latency_s + bytes / kv_transfer_bandwidth`, the bytes being the
+tokens moved x the model's KV bytes per token (128 KiB for Llama-3.1-8B in BF16,
+above). Defaults:
+
+- bandwidth 25 GB/s: a 400 Gb/s RDMA NIC per GPU (ConnectX-7, the H100 nodes' usual
+  pairing) is 50 GB/s at line rate; a NIXL read of a prompt's KV is one descriptor
+  per layer and block (a few KiB to 64 KiB each for an 8B model), which reaches
+  about half of line rate. 2,000 tokens (262 MB) take ~10.5 ms on the wire, ~12.5
+  ms with the fixed cost below: a quarter of their prefill (~49 ms above).
+- latency 2 ms per transfer: the decode engine posts the read in one step and sees
+  it complete in a later one (vLLM polls finished transfers once per engine step),
+  plus the prefill pod's completion notification; a few milliseconds between
+  nodes. The one-time NIXL handshake between two engines is not charged.
 """
 
 from __future__ import annotations
@@ -90,6 +106,28 @@ class LatencyModel:
     attention_efficiency: float = 0.50
     memory_efficiency: float = 0.80
     step_overhead_s: float = 0.001
+    # KV-cache transfer between pods (module docstring): bytes/s, and a fixed cost.
+    kv_transfer_bandwidth: float = 25e9
+    kv_transfer_latency_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if not self.kv_transfer_bandwidth > 0:
+            raise ValueError("kv_transfer_bandwidth must be > 0")
+        if not self.kv_transfer_latency_s >= 0:
+            raise ValueError("kv_transfer_latency_s must be >= 0")
+
+    def kv_transfer_bytes(self, tokens: int) -> float:
+        """The KV cache of `tokens` tokens, in bytes."""
+        return tokens * self.model.kv_bytes_per_token
+
+    def kv_transfer_time(self, tokens: int) -> float:
+        """Seconds (simulated) to pull the KV cache of `tokens` tokens from another pod;
+        0 when there is nothing to pull."""
+        if tokens <= 0:
+            return 0.0
+        return self.kv_transfer_latency_s + self.kv_transfer_bytes(tokens) / (
+            self.kv_transfer_bandwidth
+        )
 
     def step_time(self, chunks: Iterable[StepChunk]) -> float:
         """Seconds (simulated) for one engine step computing `chunks`."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # vLLM's bucket boundaries for these histograms.
@@ -20,6 +20,12 @@ TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+# vLLM's NIXL connector's buckets: transfer duration (seconds) and bytes per transfer
+# (2 KiB to 8 GiB, every other power of two).
+NIXL_XFER_TIME_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0,
+)  # fmt: skip
+NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -63,6 +69,18 @@ class EngineStats:
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    # Prefill/decode disaggregation. The KV connector's lookups (vLLM counts, per
+    # request that asks for remote KVs, its tokens and those the connector supplies).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    # KV transfers pulled by this pod as a decode pod (vLLM's NIXL connector metrics):
+    # their durations (simulated seconds) and sizes.
+    nixl_xfer_time: Histogram = field(default_factory=lambda: Histogram(NIXL_XFER_TIME_BUCKETS))
+    nixl_bytes_transferred: Histogram = field(default_factory=lambda: Histogram(NIXL_BYTES_BUCKETS))
+    # Requests served as prefill legs (kv_transfer_params.do_remote_decode) and as
+    # decode legs (do_remote_prefill): not vLLM metrics; /sim/state shows them.
+    prefill_legs: int = 0
+    decode_legs: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,19 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def render(model: str, stats: EngineStats, gauges: Gauges) -> str:
+# Why a sidecar prefilled locally instead of on the prefill pod (sim/server.py).
+FALLBACK_REASONS = ("connect", "timeout", "status", "body")
+
+
+def render(
+    model: str,
+    stats: EngineStats,
+    gauges: Gauges,
+    role: str | None = None,
+    sidecar: Mapping[str, int] | None = None,
+) -> str:
+    """`role`: the pod's P/D role, if any (its KV-connector metrics are shown);
+    `sidecar`: the sidecar's fallbacks by reason, if it plays one."""
     base = {"engine": "0", "model_name": model}
     lines: list[str] = []
 
@@ -169,4 +199,42 @@ def render(model: str, stats: EngineStats, gauges: Gauges) -> str:
         "Request latency from arrival to last token, simulated seconds.",
         stats.e2e,
     )
+    # vLLM's KV-connector metrics (a pod with a role: P/D disaggregation).
+    if role is not None:
+        counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing,"
+            " in terms of number of queried tokens.",
+            stats.external_prefix_cache_queries,
+        )
+        counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing,"
+            " in terms of number of cached tokens.",
+            stats.external_prefix_cache_hits,
+        )
+        histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers, simulated seconds.",
+            stats.nixl_xfer_time,
+        )
+        histogram(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            stats.nixl_bytes_transferred,
+        )
+        counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers (the simulator's never fail).",
+            0,
+        )
+    if sidecar is not None:
+        # Not vLLM's: the decode-side sidecar the simulated pod plays (sim/server.py).
+        family(
+            "sim:pd_prefill_fallbacks_total",
+            "counter",
+            "Disaggregated requests whose prefill leg failed; prefilled locally instead.",
+        )
+        for reason in FALLBACK_REASONS:
+            sample("sim:pd_prefill_fallbacks_total", sidecar.get(reason, 0), {"reason": reason})
     return "\n".join(lines) + "\n"

@@ -44,6 +44,77 @@ Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
+class KVTransferParams:
+    """A request's `kv_transfer_params` (vLLM's KV connector; NIXL's fields): a
+    prefill leg asks for a remote decode, a decode leg names the prefill pod's engine
+    and the blocks its KV cache is in."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: tuple[int, ...] = ()
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+def _block_ids(value: Any) -> tuple[int, ...]:
+    """`remote_block_ids`: a list of block ids, or (vLLM with several KV cache groups)
+    a list of such lists, of which the simulator's one group is the first."""
+    if value is None:
+        return ()
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        value = value[0]
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise RequestError(
+            "'kv_transfer_params.remote_block_ids' must be a list of block ids (integers >= 0)",
+            param="kv_transfer_params",
+        )
+    return tuple(value)
+
+
+def parse_kv_transfer_params(value: Any) -> KVTransferParams | None:
+    if value is None:
+        return None
+    param = "kv_transfer_params"
+    if not isinstance(value, Mapping):
+        raise RequestError("'kv_transfer_params' must be an object", param=param)
+    flags = {}
+    for key in ("do_remote_decode", "do_remote_prefill"):
+        flag = value.get(key, False)
+        if flag is None:
+            flag = False
+        if not isinstance(flag, bool):
+            raise RequestError(f"'kv_transfer_params.{key}' must be a boolean", param=param)
+        flags[key] = flag
+    if flags["do_remote_decode"] and flags["do_remote_prefill"]:
+        raise RequestError(
+            "'kv_transfer_params' cannot ask for both a remote decode and a remote prefill",
+            param=param,
+        )
+    texts: dict[str, str | None] = {}
+    for key in ("remote_engine_id", "remote_host"):
+        text = value.get(key)
+        if text is not None and not isinstance(text, str):
+            raise RequestError(f"'kv_transfer_params.{key}' must be a string", param=param)
+        texts[key] = text
+    port = value.get("remote_port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+        raise RequestError("'kv_transfer_params.remote_port' must be an integer", param=param)
+    return KVTransferParams(
+        do_remote_decode=flags["do_remote_decode"],
+        do_remote_prefill=flags["do_remote_prefill"],
+        remote_engine_id=texts["remote_engine_id"],
+        remote_block_ids=_block_ids(value.get("remote_block_ids"))
+        if flags["do_remote_prefill"]
+        else (),
+        remote_host=texts["remote_host"],
+        remote_port=port,
+    )
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     chat: bool
     model: str | None
@@ -62,6 +133,7 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_params: KVTransferParams | None = None
 
 
 def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -112,6 +184,7 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         "include_usage": bool(options.get("include_usage", False)),
         "continuous_usage_stats": bool(options.get("continuous_usage_stats", False)),
         "cache_salt": salt,
+        "kv_transfer_params": parse_kv_transfer_params(body.get("kv_transfer_params")),
     }
 
 
@@ -147,12 +220,15 @@ def parse_completion(body: Any) -> GenerationRequest:
     for p in prompts:
         if len(p) == 0:
             raise RequestError("Prompt cannot be empty.", param="prompt")
+    common = _common(body)
+    if common["kv_transfer_params"] is not None and len(prompts) > 1:
+        raise RequestError("'kv_transfer_params' needs a single prompt", param="kv_transfer_params")
     return GenerationRequest(
         chat=False,
         max_tokens=_optional_int(body, "max_tokens"),
         add_special_tokens=_bool(body, "add_special_tokens", True),
         prompts=prompts,
-        **_common(body),
+        **common,
     )
 
 

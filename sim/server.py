@@ -32,6 +32,29 @@ Fault knobs and introspection for tests (not in vLLM):
 
 Every response carries `x-sim-pod: <name>`, so tests and benchmarks can see which pod
 served a request.
+
+Prefill/decode disaggregation (docs/disaggregation.md), the engine's part as vLLM with
+its NIXL connector does it (sim/engine.py), the sidecar's as llm-d's routing sidecar:
+
+- A request whose `kv_transfer_params` has `do_remote_decode` is a prefill leg: it
+  runs, and its non-streaming answer carries `kv_transfer_params` for the decode pod
+  (`do_remote_prefill` true, `do_remote_decode` false, `remote_engine_id`,
+  `remote_request_id`, `remote_block_ids`, `remote_host`, `remote_port`, and the
+  simulator's own `remote_num_tokens`: the tokens whose KV those blocks hold).
+- A request whose `kv_transfer_params` has `do_remote_prefill` is a decode leg: it
+  waits for the transfer of the KV it does not cache, then decodes.
+- The pod plays the decode pod's sidecar: a request carrying
+  `x-prefiller-host-port: <host:port>` (set by the EPP) is first sent to that pod as
+  a prefill leg (a copy with `kv_transfer_params` asking for a remote decode,
+  `stream` false, no `stream_options`, `max_tokens` and `max_completion_tokens` 1),
+  then run here with the `kv_transfer_params` the prefill pod returned. A malformed
+  header is a 400. When the prefill leg fails (no connection, a timeout, a status
+  other than 200, an answer without `kv_transfer_params`) the request is prefilled
+  here instead: it is never lost; `sim:pd_prefill_fallbacks_total{reason}` counts
+  it and a warning names it. Without the header the request is served whole.
+- The pod's role (`--role`) is its `llm-d.ai/role` label where the simulator
+  publishes labels (`python -m sim fleet`'s endpoints file, `python -m sim kubeapi`);
+  the pod itself serves any leg whatever its role, as vLLM with `kv_both` does.
 """
 
 from __future__ import annotations
@@ -43,18 +66,28 @@ import logging
 import operator
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
 from sim.chat_template import ChatTemplateError
-from sim.engine import Engine, EngineConfig, EngineRequest, RequestState, TokenOutput
+from sim.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    RemotePrefill,
+    RequestState,
+    TokenOutput,
+)
 from sim.hashing import to_event_hash
 from sim.kv_events import EventBatchEncoder, EventFormat
-from sim.metrics import Gauges, render
+from sim.latency import LatencyModel
+from sim.metrics import FALLBACK_REASONS, Gauges, render
 from sim.protocol import (
     ChoiceResult,
     GenerationRequest,
@@ -70,6 +103,20 @@ from sim.tokenizer import HFTokenizer, Tokenizer, answer_token_ids, load_tokeniz
 log = logging.getLogger(__name__)
 
 POD_HEADER = "x-sim-pod"
+# llm-d's contract (docs/disaggregation.md): the EPP names the prefill pod in this
+# header; the pod's role is this label.
+PREFILLER_HEADER: Final = "x-prefiller-host-port"
+ROLE_LABEL: Final = "llm-d.ai/role"
+ROLES: Final = ("prefill", "decode", "prefill-decode")
+# What the sidecar sends as the prefill leg's kv_transfer_params (llm-d's).
+PREFILL_LEG_PARAMS: Final = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @dataclass(frozen=True)
@@ -98,6 +145,33 @@ class SimConfig:
     kv_events_hwm: int = 100_000
     # Wall seconds /metrics waits before answering (a slow scrape target).
     metrics_delay_s: float = 0.0
+    # Prefill/decode disaggregation: the pod's `llm-d.ai/role` (None: no label), and
+    # how long (wall seconds) the sidecar waits for a prefill leg before it prefills
+    # the request itself.
+    role: str | None = None
+    prefill_timeout_s: float = 60.0
+    # The step-time model, with the KV-transfer bandwidth and latency (sim/latency.py).
+    latency: LatencyModel = field(default_factory=LatencyModel)
+
+    def __post_init__(self) -> None:
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.prefill_timeout_s > 0:
+            raise ValueError("prefill_timeout_s must be > 0")
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """`x-prefiller-host-port`: `host:port` (`[v6]:port`); RequestError (400) if not."""
+    text = value.strip()
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RequestError(
+            f"header {PREFILLER_HEADER} must be <host>:<port> with a port in 1..65535,"
+            f" got {value!r}"
+        )
+    return host, int(port)
 
 
 _json = msgspec.json.Encoder()
@@ -130,8 +204,17 @@ class SimPod:
                 ),
                 EventBatchEncoder(config.kv_events_format, config.int_block_hashes),
             )
-        self.engine = Engine(config.engine, answer_token_ids(self.tokenizer), sink=self.publisher)
+        self.engine = Engine(
+            config.engine, answer_token_ids(self.tokenizer), config.latency, sink=self.publisher
+        )
+        # Unique per process, as vLLM's engine ids are.
+        self.engine.engine_id = f"{config.name}-{uuid.uuid4().hex[:12]}"
         self.metrics_delay_s = config.metrics_delay_s
+        # The sidecar: prefill legs sent, and the requests prefilled here instead, by
+        # why (`sim.metrics.FALLBACK_REASONS`).
+        self.prefill_legs_sent = 0
+        self.fallbacks: Counter[str] = Counter()
+        self._http: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         # Every response names the pod, aiohttp's own (unknown route, 405) included.
@@ -157,6 +240,7 @@ class SimPod:
         if self.publisher is not None:
             await self.publisher.start()
         self.engine.start()
+        self._http = aiohttp.ClientSession()
         # handler_cancellation: a client that goes away cancels its handler, which
         # aborts its engine request (vLLM aborts on disconnect too). A short
         # shutdown_timeout: stopping a pod does not wait for long generations.
@@ -170,6 +254,9 @@ class SimPod:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
         await self.engine.stop()
         if self.publisher is not None:
             await self.publisher.close()
@@ -230,13 +317,15 @@ class SimPod:
         engine = self.engine
         gauges = Gauges(
             running=len(engine.running),
-            waiting=len(engine.waiting),
+            waiting=engine.num_waiting,
             kv_cache_usage=engine.kv.pool.usage(),
             block_size=engine.config.block_size,
             num_gpu_blocks=engine.config.num_gpu_blocks,
             hash_algo=engine.config.hash_algo,
         )
-        text = render(self.config.model, engine.stats, gauges)
+        text = render(
+            self.config.model, engine.stats, gauges, self.config.role, dict(self.fallbacks)
+        )
         return web.Response(
             text=text, content_type="text/plain", charset="utf-8", headers=self._headers()
         )
@@ -388,7 +477,23 @@ class SimPod:
             "cachedBlockHashes": cached,
             # Their XOR (16 hex digits), as the EPP's /debug/endpoints `index.digest`.
             "cachedBlocksDigest": f"{functools.reduce(operator.xor, cached, 0):016x}",
-            "requests": {"waiting": len(engine.waiting), "running": len(engine.running)},
+            "requests": {
+                "waiting": engine.num_waiting,
+                "running": len(engine.running),
+                "waitingForRemoteKvs": len(engine.receiving),
+            },
+            "role": self.config.role,
+            "pd": {
+                "engineId": engine.engine_id,
+                "prefillLegsServed": stats.prefill_legs,
+                "decodeLegsServed": stats.decode_legs,
+                "kvTransfers": stats.nixl_xfer_time.count,
+                "kvTransferSeconds": stats.nixl_xfer_time.total,
+                "kvTransferBytes": stats.nixl_bytes_transferred.total,
+                "externalPrefixCacheHits": stats.external_prefix_cache_hits,
+                "prefillLegsSent": self.prefill_legs_sent,
+                "fallbacks": {reason: self.fallbacks[reason] for reason in FALLBACK_REASONS},
+            },
             "kvEvents": None
             if publisher is None
             else {
@@ -425,10 +530,82 @@ class SimPod:
     # -- generation ----------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_completion)
+        return await self._serve(request, parse_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat)
+        return await self._serve(request, parse_chat)
+
+    async def _serve(
+        self, request: web.Request, parse: Callable[[Any], GenerationRequest]
+    ) -> web.StreamResponse:
+        prefiller = request.headers.get(PREFILLER_HEADER)
+        if prefiller is None:
+            return await self._generate(request, parse)
+        return await self._sidecar(request, parse, prefiller)
+
+    # -- the decode pod's sidecar (module docstring) ------------------------------------
+
+    async def _sidecar(
+        self, request: web.Request, parse: Callable[[Any], GenerationRequest], prefiller: str
+    ) -> web.StreamResponse:
+        try:
+            host, port = parse_host_port(prefiller)
+        except RequestError as error:
+            return self._error(error)
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = None
+        if not isinstance(body, dict):
+            # Not a request the engine would take: it answers with the error.
+            return await self._generate(request, parse)
+        leg = {k: v for k, v in body.items() if k != "stream_options"}
+        leg["kv_transfer_params"] = dict(PREFILL_LEG_PARAMS)
+        leg["stream"] = False
+        leg["max_tokens"] = 1
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}{request.path}"
+        params = await self._prefill_leg(url, leg)
+        if params is not None:
+            body = {**body, "kv_transfer_params": params}
+        return await self._generate(request, parse, body)
+
+    async def _prefill_leg(self, url: str, leg: dict[str, Any]) -> dict[str, Any] | None:
+        """POST the prefill leg; the `kv_transfer_params` it returned, or None (the
+        failure counted and logged) to prefill here."""
+        assert self._http is not None, "not started"
+        self.prefill_legs_sent += 1
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
+        headers = {"content-type": "application/json", "x-request-id": str(uuid.uuid4())}
+        reason: str
+        detail: str
+        try:
+            async with self._http.post(
+                url, data=_json.encode(leg), headers=headers, timeout=timeout
+            ) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    reason, detail = "status", f"status {response.status}"
+                else:
+                    try:
+                        answer = msgspec.json.decode(raw)
+                    except msgspec.DecodeError:
+                        answer = None
+                    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+                    if isinstance(params, dict) and params.get("do_remote_prefill") is True:
+                        return params
+                    reason, detail = "body", "no kv_transfer_params in its answer"
+        except TimeoutError:
+            reason, detail = "timeout", f"no answer in {self.config.prefill_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            reason, detail = "connect", f"{type(exc).__name__}: {exc}"
+        self.fallbacks[reason] += 1
+        log.warning(
+            "%s: prefill leg to %s failed (%s); prefilling here", self.config.name, url, detail
+        )
+        return None
 
     def _prompt_ids(self, parsed: GenerationRequest) -> list[list[int]]:
         tokenizer = self.tokenizer
@@ -481,14 +658,20 @@ class SimPod:
         return room, "length"
 
     async def _generate(
-        self, request: web.Request, parse: Callable[[Any], GenerationRequest]
+        self,
+        request: web.Request,
+        parse: Callable[[Any], GenerationRequest],
+        body: Any = None,
     ) -> web.StreamResponse:
-        raw = await request.read()
+        """Serve a generation request; `body`: its decoded body, when the sidecar
+        changed it (None: the request's own)."""
         try:
-            try:
-                body = msgspec.json.decode(raw)
-            except msgspec.DecodeError as exc:
-                raise RequestError(f"JSON decode error: {exc}") from exc
+            if body is None:
+                raw = await request.read()
+                try:
+                    body = msgspec.json.decode(raw)
+                except msgspec.DecodeError as exc:
+                    raise RequestError(f"JSON decode error: {exc}") from exc
             parsed = parse(body)
             if parsed.model is not None and parsed.model != self.config.model:
                 raise RequestError(
@@ -509,8 +692,23 @@ class SimPod:
 
         outputs: asyncio.Queue[TokenOutput] = asyncio.Queue()
         choices = [ChoiceResult(index=i, prompt_tokens=len(ids)) for i, ids in enumerate(prompts)]
+        transfer = parsed.kv_transfer_params
+        remote = None
+        if transfer is not None and transfer.do_remote_prefill:
+            remote = RemotePrefill(transfer.remote_engine_id, transfer.remote_block_ids)
+        remote_decode = transfer is not None and transfer.do_remote_decode
         engine_requests = [
-            self.engine.add_request(ids, n, reason, outputs, parsed.cache_salt, i, parsed.stream)
+            self.engine.add_request(
+                ids,
+                n,
+                reason,
+                outputs,
+                parsed.cache_salt,
+                i,
+                parsed.stream,
+                remote_decode=remote_decode,
+                remote=remote,
+            )
             for i, (ids, (n, reason)) in enumerate(zip(prompts, budgets, strict=True))
         ]
         header = ResponseHeader(
@@ -523,11 +721,42 @@ class SimPod:
                 return await self._stream(
                     request, parsed, header, choices, engine_requests, outputs
                 )
-            return await self._complete(header, choices, engine_requests, outputs)
+            response = await self._complete(header, choices, engine_requests, outputs)
+            if remote_decode and response.status == 200:
+                return self._prefill_answer(request, response, engine_requests[0])
+            return response
         finally:
             for engine_request in engine_requests:
-                if engine_request.state in (RequestState.WAITING, RequestState.RUNNING):
+                if engine_request.state in (
+                    RequestState.WAITING,
+                    RequestState.WAITING_FOR_REMOTE_KVS,
+                    RequestState.RUNNING,
+                ):
                     self.engine.abort(engine_request)
+
+    def _prefill_answer(
+        self, request: web.Request, response: web.Response, leg: EngineRequest
+    ) -> web.Response:
+        """A prefill leg's answer with the `kv_transfer_params` the decode pod needs
+        (null when it did not end on its length, as vLLM's)."""
+        assert isinstance(response.body, bytes)
+        body = msgspec.json.decode(response.body)
+        params: dict[str, Any] | None = None
+        if leg.kv_block_ids is not None:
+            sockname = request.transport.get_extra_info("sockname") if request.transport else None
+            host, port = (sockname[0], sockname[1]) if sockname else (None, None)
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine.engine_id,
+                "remote_request_id": leg.request_id,
+                "remote_block_ids": list(leg.kv_block_ids),
+                "remote_host": host,
+                "remote_port": port,
+                "remote_num_tokens": len(leg.kv_block_ids) * self.engine.config.block_size,
+            }
+        body["kv_transfer_params"] = params
+        return self._json_response(body)
 
     def _record(
         self, choices: list[ChoiceResult], requests: list[EngineRequest], out: TokenOutput

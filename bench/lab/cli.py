@@ -82,6 +82,15 @@ def add_parser(commands: Any) -> None:
         " approximate index, KV-event subscriptions), requests split between them in"
         " turn; the peers' models stay one router",
     )
+    lab.add_argument(
+        "--prefill-pods",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a prefill/decode fleet: N of the --pods get the llm-d.ai/role prefill, the"
+        " others decode (0: no roles, every pod serves whole requests); run it with a P/D"
+        " config such as llm-d-pd (docs/disaggregation.md)",
+    )
     lab.add_argument("--seed", type=int, default=0, help="first seed")
     lab.add_argument("--seeds", type=int, default=5, help="seeds: --seed, --seed + 1, ...")
     lab.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory")
@@ -116,6 +125,8 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         problems.append("--seeds must be at least 1")
     if args.epp_replicas < 1:
         problems.append("--epp-replicas must be at least 1")
+    if not 0 <= args.prefill_pods < max(args.pods, 1):
+        problems.append("--prefill-pods must be at least 0 and fewer than --pods")
     if args.burst < 1:
         problems.append("--burst must be at least 1")
     elif args.burst > 1 and args.workload == "trace":
@@ -149,7 +160,13 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     options = LabOptions(
         workload=spec,
         policies=tuple(args.policies or DEFAULT_POLICIES),
-        fleet=FleetSpec(args.pods, engine=engine, delays=delays, epp_replicas=args.epp_replicas),
+        fleet=FleetSpec(
+            args.pods,
+            engine=engine,
+            delays=delays,
+            epp_replicas=args.epp_replicas,
+            prefill_pods=args.prefill_pods,
+        ),
         seeds=tuple(range(args.seed, args.seed + args.seeds)),
         load=load,
         rate=args.rate,
@@ -186,6 +203,7 @@ def _one_line(name: str, r: dict[str, Any]) -> str:
     return (
         f"  {name}: hit rate {_fmt(r, 'hit_rate', '.3f')}, TTFT p50"
         f" {_fmt(r, 'ttft_p50_s', '.1f', 1000)} ms p90 {_fmt(r, 'ttft_p90_s', '.1f', 1000)} ms,"
+        f" TPOT p50 {_fmt(r, 'tpot_p50_s', '.1f', 1000)} ms,"
         f" max/mean load {_fmt(r, 'max_over_mean_load', '.2f')},"
         f" errors {_fmt(r, 'errors', '.0f')}, {r['wall_s']:.1f} s a run"
     )

@@ -15,6 +15,10 @@ lab does instead of the network:
   phase of the interval; a scrape reads the pod's state at that moment and lands
   in the datastore `metrics_latency_s` later. The datastore is brought up to date
   only when a pick is about to read it, which is when it matters.
+- **Roles**: each pod's role is its `llm-d.ai/role` label in the datastore, as an
+  endpoints file or Kubernetes gives it, for the role filters of a P/D config; a
+  disaggregated decision names the prefill pod in its `x-prefiller-host-port`
+  request header (`prefill_pod_of`).
 - **KV events**: a step's events are encoded as the engine publishes them
   (vLLM's msgpack), decoded by the EPP's own decoder and applied through the
   precise service's real ingestion, `kv_event_s` after the step ended. Only when
@@ -38,7 +42,7 @@ from epp.director import Decision, Director
 from epp.errors import EppError
 from epp.kvindex.events import decode_batch
 from epp.kvindex.service import PrecisePrefixService
-from epp.requests import parse_request
+from epp.requests import PREFILLER_HEADER, parse_request
 from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo, Usage
@@ -46,6 +50,8 @@ from epp.telemetry import Telemetry
 from sim.kv_events import EventBatchEncoder, KVEvent
 
 _HEADERS = {"content-type": "application/json"}
+# The pods' role label (llm-d's, docs/disaggregation.md).
+ROLE_LABEL = "llm-d.ai/role"
 
 
 @dataclass(frozen=True)
@@ -115,9 +121,13 @@ class LabEpp:
         self.delays = delays
         self.pods = list(pods)
         self.datastore = Datastore()
-        self.datastore.replace_all(EndpointSpec(p.name, p.address) for p in pods)
+        self.datastore.replace_all(
+            EndpointSpec(p.name, p.address, labels={ROLE_LABEL: p.role} if p.role else {})
+            for p in pods
+        )
         self.endpoints = [self.datastore.get(p.name) for p in pods]
         self._by_name = {p.name: p for p in pods}
+        self._by_address = {p.address: p for p in pods}
         telemetry = Telemetry(self.datastore)
         self.config = load_config(
             config_text,
@@ -234,6 +244,12 @@ class LabEpp:
 
     def pod_of(self, decision: Decision) -> LabPod:
         return self._by_name[decision.endpoint.name]
+
+    def prefill_pod_of(self, decision: Decision) -> LabPod | None:
+        """The pod a disaggregated decision runs the prefill on (its
+        `x-prefiller-host-port` header), or None: the request runs whole."""
+        address = decision.result.request_headers.get(PREFILLER_HEADER)
+        return None if address is None else self._by_address[address]
 
     def describe(self) -> dict[str, Any]:
         return {"picks": self.picks, "refusals": dict(self.refusals)}

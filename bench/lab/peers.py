@@ -138,6 +138,10 @@ class SglangCacheAware:
         self.load[chosen] += 1
         return self.pods[chosen], chosen
 
+    def prefill_pod(self, handle: Any) -> LabPod | None:
+        """The peers' models do not disaggregate: every request runs whole."""
+        return None
+
     def first_token(self, handle: Any) -> None:
         pass
 
@@ -241,6 +245,10 @@ class DynamoKv:
         for block_hash in hashes:
             active[block_hash] = active.get(block_hash, 0) + 1
         return self.pods[chosen], flight
+
+    def prefill_pod(self, handle: Any) -> LabPod | None:
+        """The peers' models do not disaggregate: every request runs whole."""
+        return None
 
     def first_token(self, handle: Any) -> None:
         flight: _Flight = handle

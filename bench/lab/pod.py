@@ -11,6 +11,11 @@ lab's event loop, with what the EPP can see of it.
 - **KV events**: each step's batch goes to `on_events` when the step ends (the
   EPP side adds the delivery delay). With no `on_events`, the block pool does not
   make them.
+- **Prefill/decode disaggregation**: a pod has a role (`llm-d.ai/role`, None:
+  unlabelled); a prefill leg and a decode leg are submitted as the simulator's
+  sidecar submits them (`remote_decode`, `remote`). A decode leg waiting for its KV
+  transfer needs no step: the pod wakes itself when the transfer ends
+  (`EngineCore.next_ready_at`).
 - **Metrics**: the EPP scrapes every pod every refresh interval; what a scrape
   returns is the pod's state at the moment it was taken. The pod keeps a short
   history of its state (waiting, running, KV usage after every change) so the
@@ -25,7 +30,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.lab.loop import EventLoop
-from sim.engine import EngineConfig, EngineCore, EngineRequest, OutputSink, Step, TokenOutput
+from sim.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineRequest,
+    OutputSink,
+    RemotePrefill,
+    Step,
+    TokenOutput,
+)
 from sim.kv_cache import TokenSequence
 from sim.kv_events import KVEvent
 from sim.latency import LatencyModel
@@ -78,13 +91,19 @@ class LabPod:
         loop: EventLoop,
         latency: LatencyModel | None = None,
         on_events: EventsHandler | None = None,
+        role: str | None = None,
     ) -> None:
         self.index = index
         self.name = f"pod-{index}"
         # Addresses as a pool's pods have them; nothing listens on them.
         self.address = f"10.{index // 250}.{index % 250}.1:8000"
+        # Its `llm-d.ai/role` label (None: none, a pod serving whole requests).
+        self.role = role
         self.loop = loop
         self.core = EngineCore(config, answer_token_ids, latency, clock=loop.now)
+        self.core.engine_id = self.name
+        # When the pod is to wake for a KV transfer's end (None: no wake-up pending).
+        self._wake_at: float | None = None
         self.on_events = on_events
         self._stepping = False
         self._step: Step | None = None  # the step in flight
@@ -115,7 +134,10 @@ class LabPod:
         outputs: OutputSink,
         cache_salt: str | None = None,
         sequence: TokenSequence | None = None,
+        remote_decode: bool = False,
+        remote: RemotePrefill | None = None,
     ) -> EngineRequest:
+        """`remote_decode`: a prefill leg; `remote`: a decode leg (sim/engine.py)."""
         request = self.core.add_request(
             prompt_token_ids,
             max_tokens,
@@ -125,6 +147,8 @@ class LabPod:
             stream=True,
             sequence=sequence,
             quiet=True,  # the first token and the end only (module docstring)
+            remote_decode=remote_decode,
+            remote=remote,
         )
         self._record()
         if not self._stepping:
@@ -151,6 +175,8 @@ class LabPod:
             if not step.preempted:
                 self._stepping = False
                 self._record()
+                if core.receiving:
+                    self._wake_for_transfer()
                 return
         else:
             raise RuntimeError(f"{self.name}: the engine preempts without ever scheduling")
@@ -176,6 +202,24 @@ class LabPod:
         else:
             self._step = None
             self._stepping = False
+            if core.receiving:
+                self._wake_for_transfer()
+
+    def _wake_for_transfer(self) -> None:
+        """Start a step when the first pending KV transfer ends (no step runs until
+        then: the engine has nothing else to do)."""
+        ready = self.core.next_ready_at()
+        if ready is None or (self._wake_at is not None and self._wake_at <= ready):
+            return
+        self._wake_at = ready
+
+        def wake() -> None:
+            if self._wake_at == ready:
+                self._wake_at = None
+            if not self._stepping:
+                self._start_step()
+
+        self.loop.at(ready, wake)
 
     def _emit(self) -> None:
         events = self.core.take_events()
@@ -187,7 +231,7 @@ class LabPod:
     def _record(self) -> None:
         core = self.core
         pool = core.kv.pool
-        key = (len(core.waiting), len(core.running), pool.num_free_blocks)
+        key = (core.num_waiting, len(core.running), pool.num_free_blocks)
         if key == self._last_state:
             # Unchanged (most steps): the entry already there says the same from its
             # time on, which is all `state_at` reads.

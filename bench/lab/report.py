@@ -22,18 +22,50 @@ def _pm(result: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
 
 def table(policies: dict[str, Any]) -> list[str]:
     lines = [
-        "| policy | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s"
-        " | max/mean load | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT p50 ms"
+        " | TPOT p90 ms | req/s | max/mean load | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in policies.items():
         lines.append(
             f"| {name} | {_pm(r, 'hit_rate', '.3f')} | {_pm(r, 'ttft_p50_s', '.1f', 1000)}"
             f" | {_pm(r, 'ttft_p90_s', '.1f', 1000)} | {_pm(r, 'ttft_p99_s', '.1f', 1000)}"
+            f" | {_pm(r, 'tpot_p50_s', '.2f', 1000)} | {_pm(r, 'tpot_p90_s', '.2f', 1000)}"
             f" | {_pm(r, 'throughput_rps', '.2f')} | {_pm(r, 'max_over_mean_load', '.2f')}"
             f" | {_pm(r, 'errors', '.1f')} |"
         )
     return lines
+
+
+def pd_lines(document: dict[str, Any]) -> list[str]:
+    """A P/D fleet: per policy, what its pods did (summed over seeds)."""
+    setup = document["setup"]
+    prefill_pods = setup.get("prefill_pods", 0)
+    if not prefill_pods:
+        return []
+    lines = [
+        f"Prefill/decode fleet: {prefill_pods} prefill pods, {setup['pods'] - prefill_pods}"
+        " decode pods. Per policy, over all seeds: requests the router disaggregated, prefill"
+        " legs the prefill pods served, KV transfers the decode pods pulled (mean time), and"
+        " prefill legs that failed (prefilled on the decode pod). The hit rate above counts"
+        " both legs' prompt lookups; tokens pulled from a prefill pod are not hits.",
+        "",
+    ]
+    for name, r in document["policies"].items():
+        parts = [run.get("pd") for run in r["runs"]]
+        pds = [p for p in parts if p]
+        if not pds:
+            continue
+        transfers = sum(p["kv_transfers"] for p in pds)
+        means = [p["kv_transfer_mean_s"] for p in pds if p["kv_transfer_mean_s"] is not None]
+        mean = f"{1000 * sum(means) / len(means):.2f} ms" if means else "-"
+        prefill_legs = sum(sum(p["prefill_legs_per_pod"].values()) for p in pds)
+        lines.append(
+            f"- {name}: {sum(p['disaggregated'] for p in pds)} disaggregated, {prefill_legs}"
+            f" prefill legs served, {transfers} KV transfers (mean {mean}),"
+            f" {sum(p['fallbacks'] for p in pds)} fallbacks"
+        )
+    return [*lines, ""]
 
 
 def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
@@ -70,6 +102,7 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
         "",
         *table(document["policies"]),
         "",
+        *pd_lines(document),
     ]
     if oracle:
         lines += [

@@ -10,7 +10,23 @@ to the moment the client sees the first and last token.
 
 The result has `bench run`'s keys (`bench.runner.summarize`, from the same kind of
 records and pod counters), plus the lab's own: wall time, events run, the virtual
-duration and what the router refused.
+duration, what the router refused, and each request's time per output token
+(`tpot_p50_s`, `tpot_p90_s`: (last token - first token) / (output tokens - 1), over
+the requests with two tokens or more).
+
+Prefill/decode disaggregation: a P/D fleet (`FleetSpec.prefill_pods`) labels its
+first pods `prefill` and the others `decode`. When the router's decision names a
+prefill pod (the EPP's `x-prefiller-host-port` header), the lab's client plays the
+decode pod's sidecar, as the simulator's own does (sim/server.py): the request
+reaches the decode pod `route_s` after it was sent; its prefill leg (max_tokens 1)
+reaches the prefill pod at once and is submitted after that pod's overhead; its
+answer (the blocks holding the prompt's KV) is back `response_s` after the leg's
+token, and the decode leg is submitted to the decode pod after its overhead, to
+pull the KV cache (sim/engine.py) and decode. TTFT is the decode leg's first token
+at the client. If the prefill leg fails (longer than the prefill pod's context, an
+engine error, no blocks to give) the decode pod prefills the request itself
+(`pd.fallbacks`). `pd` in the result counts what the pods did: prefill legs served
+and decode legs pulling KV, per pod, from the engines' own counters.
 """
 
 from __future__ import annotations
@@ -50,8 +66,7 @@ from bench.workloads import Words, WorkloadSpec, answer_ids, load_words
 from epp.clock import VirtualClock
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import TTFT_OBSERVED, Usage
-from sim.engine import EngineConfig, EngineRequest, TokenOutput
-from sim.kv_cache import TokenSequence
+from sim.engine import EngineConfig, EngineRequest, RemotePrefill, TokenOutput
 from sim.kv_events import KVEvent
 from sim.latency import LatencyModel
 
@@ -66,6 +81,8 @@ MEAN_KEYS = (
     "e2e_p50_s",
     "e2e_p90_s",
     "e2e_p99_s",
+    "tpot_p50_s",
+    "tpot_p90_s",
     "throughput_rps",
     "output_tokens_per_s",
     "max_over_mean_load",
@@ -98,6 +115,10 @@ class Router(Protocol):
         self, request_id: str, body: bytes, prompt: Sequence[int]
     ) -> tuple[LabPod, Any] | None:
         """The pod for this request now and a handle for `end`, or None (refused)."""
+        ...
+
+    def prefill_pod(self, handle: Any) -> LabPod | None:
+        """The pod a routed request's prefill runs on, if the router disaggregated it."""
         ...
 
     def first_token(self, handle: Any) -> None:
@@ -145,6 +166,11 @@ class EppRouter:
             return None
         return epp.pod_of(decision), (epp, decision)
 
+    def prefill_pod(self, handle: Any) -> LabPod | None:
+        epp, decision = handle
+        prefill: LabPod | None = epp.prefill_pod_of(decision)
+        return prefill
+
     def first_token(self, handle: Any) -> None:
         # Envoy's full config streams response bodies to the EPP: it sees the first
         # chunk as the client does.
@@ -178,10 +204,24 @@ class FleetSpec:
     latency: LatencyModel = field(default_factory=LatencyModel)
     delays: Delays = field(default_factory=Delays)
     epp_replicas: int = 1  # EPP replicas behind Envoy (configs only; peers are one router)
+    # A P/D fleet: pods 0..prefill_pods-1 have the role prefill, the others decode;
+    # 0: no roles (an aggregated fleet, no labels).
+    prefill_pods: int = 0
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.epp_replicas < 1:
             raise ValueError("a fleet needs at least one pod and one EPP replica")
+        if not 0 <= self.prefill_pods < self.pods:
+            raise ValueError(
+                "prefill pods must be 0 (no roles) or fewer than the pods (a P/D fleet"
+                " needs a decode pod)"
+            )
+
+    def role(self, index: int) -> str | None:
+        """Pod `index`'s llm-d.ai/role."""
+        if not self.prefill_pods:
+            return None
+        return "prefill" if index < self.prefill_pods else "decode"
 
 
 class _Request:
@@ -190,6 +230,7 @@ class _Request:
     __slots__ = (
         "engine_request",
         "first",
+        "first_seen",
         "handle",
         "pod",
         "record",
@@ -215,6 +256,7 @@ class _Request:
         self.pod: LabPod | None = None
         self.engine_request: EngineRequest | None = None
         self.first = True
+        self.first_seen = 0.0
 
     def put_nowait(self, output: TokenOutput) -> None:
         now = self.run.loop.now()
@@ -224,10 +266,36 @@ class _Request:
             return
         if self.first:
             self.first = False
+            self.first_seen = seen
             self.record.ttft_s = seen - self.scheduled
             self.run.loop.at(seen, lambda: self.run.router.first_token(self.handle))
         if output.finish_reason is not None:
             self.run.loop.at(seen, lambda: self.run.done(self))
+
+
+class _PrefillLeg:
+    """A disaggregated request's prefill leg on its prefill pod: its one output (the
+    end) hands the request on to the decode pod, or back to it to prefill."""
+
+    __slots__ = ("engine_request", "prefill", "prompt", "request", "run")
+
+    def __init__(self, run: LabRun, request: _Request, prefill: LabPod, prompt: list[int]) -> None:
+        self.run = run
+        self.request = request
+        self.prefill = prefill
+        self.prompt = prompt
+        self.engine_request: EngineRequest | None = None
+
+    def put_nowait(self, output: TokenOutput) -> None:
+        # The answer reaches the sidecar `response_s` after the engine's last token.
+        run = self.run
+        at = run.loop.now() + run.fleet.delays.response_s
+        leg = self.engine_request
+        blocks = None if leg is None or output.error is not None else leg.kv_block_ids
+        remote = None if blocks is None else RemotePrefill(self.prefill.core.engine_id, blocks)
+        if remote is None:
+            run.pd_fallbacks += 1
+        run.loop.at(at, lambda: run.submit_local(self.request, self.prompt, remote))
 
 
 class LabRun:
@@ -249,6 +317,12 @@ class LabRun:
         self.records: list[Record] = []
         self.timing = RunTiming()
         self.picks: list[tuple[float, int]] = []  # (time, pod index), for the load plot
+        # Per request of two tokens or more: its time per output token at the client.
+        self.tpots: list[float] = []
+        # Requests the router disaggregated, and those whose prefill leg failed (the
+        # decode pod prefilled them).
+        self.pd_requests = 0
+        self.pd_fallbacks = 0
         self._ids = 0
 
     def start(self) -> None:
@@ -270,20 +344,56 @@ class LabRun:
         pod, request.handle = routed
         request.pod = pod
         self.picks.append((self.loop.now(), pod.index))
+        prefill = self.router.prefill_pod(request.handle)
 
         def arrive() -> None:
             if len(prompt) + turn.max_tokens > pod.core.max_model_len:
                 self.failed(request, "400: longer than the engine's max_model_len")
                 return
-            delays = self.fleet.delays
-            sequence, uncached = pod.prepare(prompt)
-            overhead = delays.pod_overhead_s + delays.pod_overhead_per_token_s * uncached
-            self.loop.after(overhead, lambda: submit(sequence))
-
-        def submit(sequence: TokenSequence) -> None:
-            request.engine_request = pod.submit(prompt, turn.max_tokens, request, None, sequence)
+            if prefill is not None and prefill is not pod:
+                self.pd_requests += 1
+                self.prefill_leg(request, prefill, prompt)
+                return
+            self.submit_local(request, prompt, None)
 
         self.loop.after(self.router.route_delay_s, arrive)
+
+    def submit_local(
+        self, request: _Request, prompt: list[int], remote: RemotePrefill | None
+    ) -> None:
+        """The request reaches its (decode) pod's engine after the pod's overhead; with
+        `remote`, as a decode leg pulling the KV cache the prefill pod holds."""
+        pod = request.pod
+        assert pod is not None
+        turn = request.session.turns[request.turn_index]
+        delays = self.fleet.delays
+        sequence, uncached = pod.prepare(prompt)
+        overhead = delays.pod_overhead_s + delays.pod_overhead_per_token_s * uncached
+
+        def submit() -> None:
+            request.engine_request = pod.submit(
+                prompt, turn.max_tokens, request, None, sequence, remote=remote
+            )
+
+        self.loop.after(overhead, submit)
+
+    def prefill_leg(self, request: _Request, prefill: LabPod, prompt: list[int]) -> None:
+        """The sidecar sends the prefill leg (max_tokens 1) to the prefill pod; it
+        reaches its engine after that pod's overhead."""
+        if len(prompt) + 1 > prefill.core.max_model_len:
+            # The prefill pod would answer 400: the sidecar prefills here instead.
+            self.pd_fallbacks += 1
+            self.submit_local(request, prompt, None)
+            return
+        delays = self.fleet.delays
+        sequence, uncached = prefill.prepare(prompt)
+        overhead = delays.pod_overhead_s + delays.pod_overhead_per_token_s * uncached
+        leg = _PrefillLeg(self, request, prefill, prompt)
+
+        def submit() -> None:
+            leg.engine_request = prefill.submit(prompt, 1, leg, None, sequence, remote_decode=True)
+
+        self.loop.after(overhead, submit)
 
     def failed(self, request: _Request, reason: str) -> None:
         request.record.error = reason
@@ -303,6 +413,9 @@ class LabRun:
         record.prompt_tokens = engine_request.prompt_len
         record.cached_tokens = engine_request.num_cached_tokens or 0
         record.output_tokens = len(engine_request.output_token_ids)
+        if record.output_tokens > 1:
+            seen = now  # `done` runs when the last token reaches the client
+            self.tpots.append((seen - request.first_seen) / (record.output_tokens - 1))
         self.timing.last_done = max(self.timing.last_done, now)
         usage = Usage(record.prompt_tokens, record.output_tokens, record.cached_tokens)
         self.router.end(request.handle, usage, completed=True)
@@ -341,7 +454,8 @@ def run_once(
     clock = VirtualClock(0.0)
     loop = EventLoop(clock)
     pods = [
-        LabPod(i, fleet.engine, answer_token_ids, loop, fleet.latency) for i in range(fleet.pods)
+        LabPod(i, fleet.engine, answer_token_ids, loop, fleet.latency, role=fleet.role(i))
+        for i in range(fleet.pods)
     ]
     router: Router = make_router(pods, loop, fleet, seed)
     try:
@@ -365,6 +479,11 @@ def run_once(
         }
         result = summarize(run.records, run.timing, counters, 1.0, max_error_rate=1.0)
         result["router"] = router.describe()
+        tpots = sorted(run.tpots)
+        result["tpot_p50_s"] = percentile(tpots, 0.50)
+        result["tpot_p90_s"] = percentile(tpots, 0.90)
+        if fleet.prefill_pods:
+            result["pd"] = pd_summary(run, pods)
     finally:
         router.close()
     result["wall_s"] = time.perf_counter() - wall
@@ -380,6 +499,24 @@ def run_once(
     result.update(prediction_error(router.ttft_predictions))
     result["ttft_predictions"] = router.ttft_predictions
     return result
+
+
+def pd_summary(run: LabRun, pods: Sequence[LabPod]) -> dict[str, Any]:
+    """What a P/D fleet did, from the client's side (requests disaggregated, prefill
+    legs that failed) and from the engines' own counters (legs served, KV pulled)."""
+    transfers = sum(p.core.stats.nixl_xfer_time.count for p in pods)
+    seconds = sum(p.core.stats.nixl_xfer_time.total for p in pods)
+    return {
+        "disaggregated": run.pd_requests,
+        "fallbacks": run.pd_fallbacks,
+        "roles": {p.name: p.role for p in pods},
+        "prefill_legs_per_pod": {p.name: p.core.stats.prefill_legs for p in pods},
+        "decode_legs_per_pod": {p.name: p.core.stats.decode_legs for p in pods},
+        "kv_transfers": transfers,
+        "kv_transfer_mean_s": seconds / transfers if transfers else None,
+        "kv_transfer_bytes": sum(p.core.stats.nixl_bytes_transferred.total for p in pods),
+        "external_prefix_cache_hits": sum(p.core.stats.external_prefix_cache_hits for p in pods),
+    }
 
 
 def prediction_error(pairs: Sequence[tuple[float, float]]) -> dict[str, float | None]:
@@ -588,6 +725,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
         "wall_seconds": round(time.monotonic() - started, 1),
         "setup": {
             "pods": fleet.pods,
+            "prefill_pods": fleet.prefill_pods,
             "seeds": len(options.seeds),
             "seed_list": list(options.seeds),
             "load": offered / capacity,
