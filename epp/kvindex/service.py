@@ -249,10 +249,18 @@ class PrecisePrefixService:
         clock: Clock = SYSTEM_CLOCK,
         wall_clock: Clock = time.time,
         local_tokenizers: Sequence[tuple[str, str]] = (),
+        follow_datastore: bool = True,
+        external_tokens: bool = False,
     ) -> None:
         """Checks `config` and builds everything; starts nothing (`run` does).
         `local_tokenizers`: (model, directory) pairs that win over the config's
         entries for those models (`epp serve --tokenizer-dir`).
+        `follow_datastore`: False when the owner reports the endpoints to follow
+        itself (`endpoints_changed`: llm-d's endpoint notifications) instead of the
+        subscriber following the datastore.
+        `external_tokens`: the prompts' token ids come from elsewhere (llm-d's
+        token producer) and are looked up with `lookup`; the service loads no
+        tokenizer of its own and does not warn that it has none.
         Raises ValueError for a config that cannot work."""
         self.name = name
         self.config = config
@@ -290,6 +298,7 @@ class PrecisePrefixService:
                 reconnect_interval_max_s=parse_duration(events.reconnect_interval_max),
             ),
             wall_clock=wall_clock,
+            follow_datastore=follow_datastore,
         )
         self.tokenizers = TokenizerRegistry(
             _tokenizer_sources(config.tokenizers, local_tokenizers),
@@ -311,7 +320,7 @@ class PrecisePrefixService:
             )
         for problem in missing:
             log.warning("%s: %s; its requests get no precise prefix score", name, problem)
-        if not self.tokenizers.sources:
+        if not self.tokenizers.sources and not external_tokens:
             log.warning(
                 "%s: no tokenizers configured: only prompts sent as token ids get a precise"
                 " prefix score",
@@ -321,6 +330,7 @@ class PrecisePrefixService:
             self.max_blocks = max(1, config.max_prefix_tokens_to_match // config.block_size)
         else:
             self.max_blocks = config.max_prefix_blocks_to_match
+        self.external_tokens = external_tokens
         self.stats = LookupStats()
         self._log_once = LogOnce(log)
 
@@ -350,6 +360,12 @@ class PrecisePrefixService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self.tokenizers.close()
+
+    def endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
+        """Endpoints to follow joined (or changed) and left the pool, for a service
+        built with `follow_datastore=False`: a removed endpoint's KV-event streams
+        stop and its index entries go at once."""
+        self.subscriber.endpoints_changed(added, removed)
 
     # -- the write side, for tests and simulations -------------------------------------
 
@@ -505,5 +521,6 @@ class PrecisePrefixService:
         }
         info.update(index)
         info.update(subscription)
-        info["tokenizers"] = self.tokenizers.describe()
+        if not self.external_tokens:  # else the token producer says how its tokenizer is
+            info["tokenizers"] = self.tokenizers.describe()
         return {"index": info}

@@ -596,12 +596,22 @@ class KVEventSubscriber:
         settings: SubscriberSettings,
         addresses: AddressFunction = kv_event_addresses,
         wall_clock: Clock = time.time,
+        follow_datastore: bool = True,
     ) -> None:
         """`wall_clock`: this host's wall-clock time (Unix seconds), which the
-        engines' batch timestamps are compared with for their lag."""
+        engines' batch timestamps are compared with for their lag.
+
+        `follow_datastore`: subscribe to the pool's endpoints as the datastore
+        reports them (the default). False: only to the endpoints an owner reports
+        with `endpoints_changed` (llm-d's endpoint notifications), as they come and
+        go, from before or after `run` starts."""
         if settings.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
         self.datastore = datastore
+        self.follow_datastore = follow_datastore
+        # Without follow_datastore: the endpoints reported in the pool, in the
+        # order reported (subscribed when `run` starts, or at once while it runs).
+        self._members: dict[Endpoint, None] = {}
         self.index = index
         self.settings = settings
         self.addresses = addresses
@@ -617,12 +627,16 @@ class KVEventSubscriber:
         self._context = zmq.asyncio.Context()
         self._running = True
         try:
-            self._membership(list(self.datastore.all_endpoints()), [])
-            self.datastore.add_listener(self._membership)
+            if self.follow_datastore:
+                self._membership(list(self.datastore.all_endpoints()), [])
+                self.datastore.add_listener(self._membership)
+            else:
+                self._membership(list(self._members), [])
             await asyncio.Event().wait()
         finally:
             self._running = False
-            self.datastore.remove_listener(self._membership)
+            if self.follow_datastore:
+                self.datastore.remove_listener(self._membership)
             tasks = [task for streams in self.streams.values() for _, task in streams]
             for task in tasks:
                 task.cancel()
@@ -632,6 +646,25 @@ class KVEventSubscriber:
             self.streams.clear()
             self._context.destroy(linger=0)
             self._context = None
+
+    def endpoints_changed(self, added: Iterable[Endpoint], removed: Iterable[Endpoint]) -> None:
+        """For a subscriber that does not follow the datastore: `added` joined the
+        pool (or changed; an endpoint already reported is left as it is), `removed`
+        left it. A removed endpoint's streams stop and its index entries go at once,
+        running or not."""
+        if self.follow_datastore:
+            raise RuntimeError("this subscriber follows the datastore's endpoints itself")
+        removed = [e for e in removed if e in self._members]
+        for endpoint in removed:
+            del self._members[endpoint]
+        added = [e for e in added if e not in self._members]
+        for endpoint in added:
+            self._members[endpoint] = None
+        if self._running:
+            self._membership(added, removed)
+            return
+        for endpoint in removed:
+            self.index.remove_endpoint(endpoint)
 
     def _membership(self, added: Iterable[Endpoint], removed: Iterable[Endpoint]) -> None:
         if not self._running:

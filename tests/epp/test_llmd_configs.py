@@ -2,28 +2,30 @@
 there. Written here with the same plugins and parameters: `deploy/config/
 epp-config.yaml` (a decode filter, the prefix-cache scorer with its approximate
 producer, the max-score picker, under `apiVersion: llm-d.ai/...`),
-`sim-epp-no-hit-lru.yaml` (the no-hit LRU scorer beside a precise prefix scorer)
-and `epp-burst-prefix-cache-config.yaml` (bursts co-located by the burst producer,
-read by the prefix-cache scorer); and the shipped configs modelled on llm-d's:
-the optimized baseline and `pd-epp-config.yaml`'s prefill/decode disaggregation
-(manifests/config/llm-d-pd.yaml)."""
+`sim-epp-no-hit-lru.yaml` (the no-hit LRU scorer beside a precise prefix producer
+without a token producer), `epp-burst-prefix-cache-config.yaml` (bursts co-located
+by the burst producer, read by the prefix-cache scorer) and
+`epp-precise-prefix-cache-config.yaml` (llm-d's precise pipeline: token producer,
+endpoint notifications, precise producer); and the shipped configs modelled on
+llm-d's: the optimized baseline, `pd-epp-config.yaml`'s prefill/decode
+disaggregation (manifests/config/llm-d-pd.yaml) and the precise pipeline
+(manifests/config/llm-d-precise-prefix.yaml)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 
 from epp.cli import main as cli_main
 from epp.config import load_config
-from epp.datastore import Datastore, Endpoint, EndpointSpec
+from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.requests import InferenceRequest, parse_request
-from epp.scheduling import CycleState, PluginContext, PrefixMatchInfo, prefix_match_key
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import ResponseInfo
 from epp.telemetry import Telemetry
@@ -84,61 +86,8 @@ def test_llm_d_sample_config_runs(api: str) -> None:
     assert len(shared) == 1
 
 
-# llm-d's newer samples use two plugin types this EPP does not have (README,
-# "Configs written for llm-d-router"): its precise producer, which keys blocks by
-# its own hash of the engines' token ids, and its token producer, which asks a vLLM
-# server to tokenize. The tests below stand in for them where the registry lacks
-# them, with their parameters: the precise producer as a pool without KV events yet
-# (a match info with no hit), the token producer as a no-op (this EPP's producers
-# estimate tokens from the text). What is tested is everything else in the files.
-
-
-class _ColdPrecisePrefixProducer:
-    """`precise-prefix-cache-producer` before any KV event: nothing is cached."""
-
-    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
-        token_processor_config: dict[str, Any] = msgspec.field(default_factory=dict)
-
-    def __init__(self, params: Parameters, context: PluginContext) -> None:
-        self.key = prefix_match_key(context.name)
-        self.block_size = int(params.token_processor_config.get("blockSizeTokens", 16))
-
-    async def prepare(
-        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
-    ) -> None:
-        cycle.put(self.key, PrefixMatchInfo(4, self.block_size, {}))
-
-
-class _VllmConfig(msgspec.Struct, forbid_unknown_fields=True):
-    url: str
-
-
-class _NoOpTokenProducer:
-    """`token-producer`, taking its parameters and producing nothing."""
-
-    class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
-        model_name: str
-        vllm: _VllmConfig
-
-    def __init__(self, params: Parameters, context: PluginContext) -> None:
-        pass
-
-    async def prepare(
-        self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
-    ) -> None:
-        return None
-
-
 def llm_d_registry() -> PluginRegistry:
-    registry = PluginRegistry.from_entry_points()
-    known = set(registry.known_types())
-    for type_name, stand_in in (
-        ("precise-prefix-cache-producer", _ColdPrecisePrefixProducer),
-        ("token-producer", _NoOpTokenProducer),
-    ):
-        if type_name not in known:
-            registry.register(type_name, stand_in)
-    return registry
+    return PluginRegistry.from_entry_points()
 
 
 def llm_d_pool() -> Datastore:
@@ -353,3 +302,187 @@ def test_llm_d_pd_manifest_disaggregates_long_uncached_prompts_only() -> None:
     explained = asyncio.run(director.explain(completion("hello")))
     assert explained["notes"]["disagg-profile-handler"]["decision"] is False
     assert "requestHeaders" not in explained
+
+
+# llm-d-router's deploy/config/epp-precise-prefix-cache-config.yaml, as it is on
+# llm-d-router's main branch: the same plugin types, names, parameters, data layer
+# and profile (its comments left out).
+EPP_PRECISE_PREFIX_CACHE = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: token-producer
+    parameters:
+      modelName: hf-repo/model-name
+      vllm:
+        url: http://localhost:8000
+  - type: endpoint-notification-source
+  - type: metrics-data-source
+  - type: core-metrics-extractor
+  - type: single-profile-handler
+  - type: decode-filter
+  - type: precise-prefix-cache-producer
+    parameters:
+      tokenProcessorConfig:
+        blockSize: 64
+      indexerConfig:
+        kvBlockIndexConfig:
+          enableMetrics: true
+  - type: prefix-cache-scorer
+    parameters:
+      prefixMatchInfoProducerName: precise-prefix-cache-producer
+  - type: kv-cache-utilization-scorer
+  - type: queue-scorer
+  - type: max-score-picker
+dataLayer:
+  sources:
+    - pluginRef: metrics-data-source
+      extractors:
+        - pluginRef: core-metrics-extractor
+    - pluginRef: endpoint-notification-source
+      extractors:
+        - pluginRef: precise-prefix-cache-producer
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: decode-filter
+      - pluginRef: prefix-cache-scorer
+        weight: 2.0
+      - pluginRef: kv-cache-utilization-scorer
+        weight: 1.0
+      - pluginRef: queue-scorer
+        weight: 1.0
+      - pluginRef: max-score-picker
+"""
+PRECISE_MANIFEST = (
+    Path(__file__).resolve().parents[2] / "manifests/config/llm-d-precise-prefix.yaml"
+)
+
+
+@pytest.mark.parametrize("source", ["sample", "manifest"])
+def test_llm_d_precise_sample_config_validates(
+    source: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`epp validate` takes llm-d's sample and the shipped copy as they are, with
+    no tokenizer at hand and no network (building does no I/O)."""
+    path = PRECISE_MANIFEST
+    if source == "sample":
+        path = tmp_path / "epp-precise-prefix-cache-config.yaml"
+        path.write_text(EPP_PRECISE_PREFIX_CACHE)
+    assert cli_main(["validate", str(path)]) == 0
+    assert "profiles: default (1 filters, 3 scorers, picker max-score-picker)" in (
+        capsys.readouterr().out
+    )
+
+
+def engine_blocks(token_ids: Sequence[int], block_size: int) -> bytes:
+    """What a vLLM engine (>= 0.24, map-encoded) publishes once it cached a prompt
+    of `token_ids`: one BlockStored batch for its full blocks, hashed as vLLM
+    hashes them (the simulator's engine-faithful hasher)."""
+    from tests.plugins.engine_events import stored_payload
+
+    return stored_payload(token_ids, block_size=block_size)
+
+
+async def test_llm_d_precise_sample_config_routes_to_the_pod_holding_the_prefix() -> None:
+    """The sample, built unchanged (its modelName's tokenizer given as
+    `epp serve --tokenizer-dir hf-repo/model-name=DIR` would), with the services
+    running as the server runs them: the pod whose KV events hold a prompt's
+    prefix gets the follow-up prompt, with the precise producer's score."""
+    from epp.kvindex.events import decode_batch
+    from epp.kvindex.service import PrecisePrefixService
+    from epp.scheduling.interfaces import ServerSettings
+    from epp.tokenization.service import PromptTokenization
+    from sim.tokenizer import load_tokenizer
+    from tests.testdata import qwen_dir
+
+    # llm-d's pool, each engine's KV-event socket named in the endpoints file (an
+    # in-process address: the test opens no network socket; the events come by `feed`).
+    datastore = Datastore()
+    datastore.replace_all(
+        dataclasses.replace(spec, kv_events=f"inproc://kv-events-{spec.name}")
+        for spec in (e.spec for e in llm_d_pool().all_endpoints())
+    )
+    config = load_config(
+        EPP_PRECISE_PREFIX_CACHE,
+        llm_d_registry(),
+        datastore=datastore,
+        settings=ServerSettings(tokenizer_dirs=(("hf-repo/model-name", str(qwen_dir())),)),
+    )
+    tokenization = config.services["token-producer"]
+    precise = config.services["precise-prefix-cache-producer"]
+    notifier = config.services["endpoint-notification-source"]
+    assert isinstance(tokenization, PromptTokenization)
+    assert isinstance(precise, PrecisePrefixService)
+    assert precise.config.block_size == 64
+    director = Director(datastore, config, Telemetry(datastore))
+    endpoints = {e.name: e for e in datastore.all_endpoints()}
+
+    tasks = [asyncio.create_task(s.run()) for s in (tokenization, notifier, precise)]
+    try:
+        for _ in range(200):
+            if tokenization.describe() == {"*": "ready"}:
+                break
+            await asyncio.sleep(0.05)
+        assert tokenization.describe() == {"*": "ready"}
+        # Told of the pool by the notification source: following every pod.
+        assert set(precise.subscriber.streams) == set(endpoints.values())
+
+        system = "You answer questions about the bookshop's opening hours. " * 40
+        # decode-1's engine served the system prompt and says so in its KV events
+        # (the engine's own tokenizer: the simulator's, not the EPP's).
+        engine = load_tokenizer(qwen_dir())
+        cached = engine.encode(system + "When do you open on Sunday?")
+        precise.feed(endpoints["decode-1"], decode_batch(engine_blocks(cached, 64)))
+        # The prefill pod holds it too: the decode filter keeps it out anyway.
+        precise.feed(endpoints["prefill"], decode_batch(engine_blocks(cached, 64)))
+
+        # The follow-up shares the system prompt, not the question's blocks.
+        request = completion(system + "Do you sell gift cards for birthdays? " * 8)
+        decision = await director.pick_endpoint(request)
+        director.finish(decision, ResponseInfo(completed=True))
+        assert decision.endpoint.name == "decode-1"
+        prefix = {
+            e.name: s for e, s in decision.result.profiles["default"].scores[
+                "prefix-cache-scorer"
+            ].items()
+        }  # fmt: skip
+        assert set(prefix) == {"decode-0", "decode-1", "plain"}
+        assert prefix["decode-0"] == prefix["plain"] == 0.0
+        assert 0.5 < prefix["decode-1"] < 1.0  # the system prompt, not the question
+        # A prompt nobody holds: no precise hit, and never the prefill pod.
+        cold = await director.pick_endpoint(completion("An unrelated question. " * 60))
+        director.finish(cold, ResponseInfo(completed=True))
+        assert cold.endpoint.name != "prefill"
+        scores = cold.result.profiles["default"].scores["prefix-cache-scorer"]
+        assert set(scores.values()) == {0.0}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_llm_d_precise_manifest_builds_anywhere_without_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """manifests/config/llm-d-precise-prefix.yaml names a Hub model for its token
+    producer: it builds from any directory, fetching nothing; with the benchmark's
+    `--tokenizer-dir sim-model=DIR`, the simulator's model gets that tokenizer."""
+    from epp.scheduling.interfaces import ServerSettings
+    from epp.tokenization.service import PromptTokenization
+    from tests.testdata import qwen_dir
+
+    monkeypatch.chdir(tmp_path)
+    text = PRECISE_MANIFEST.read_text()
+    config = load_config(text, llm_d_registry())
+    tokenization = config.services["token-producer"]
+    assert isinstance(tokenization, PromptTokenization)
+    assert tokenization.describe() == {"*": "pending"}
+    local = load_config(
+        text,
+        llm_d_registry(),
+        settings=ServerSettings(tokenizer_dirs=(("sim-model", str(qwen_dir())),)),
+    )
+    tokenization = local.services["token-producer"]
+    assert isinstance(tokenization, PromptTokenization)
+    assert set(tokenization.describe()) == {"sim-model", "*"}
