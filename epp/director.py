@@ -7,6 +7,13 @@
     finish:         in-flight count released, post-response plugins, metrics
     explain:        the same pick, stopping before the side effects
 
+With the `flowControl` feature gate on (the config's `flow_control`), admission is
+the flow controller's instead: the request waits in its priority band until the
+controller dispatches it (or sheds it: 429/503 with Retry-After), and only then are
+the candidates read again and the endpoint picked, on the pool as it is at that
+moment (late binding). Nothing is shed by the detector directly. A request's end
+and its first chunk tell the controller that capacity may have freed.
+
 Admission runs before the data producers, so a request that is shed costs no
 tokenizing or index lookup.
 
@@ -28,6 +35,7 @@ from epp.config import SchedulingConfig
 from epp.config.defaults import DEFAULT_PRIORITY
 from epp.datastore import Datastore, Endpoint
 from epp.errors import EppError, NoCapacity, Shed, Unavailable
+from epp.flowcontrol import fairness_id_of, objective_of
 from epp.requests import InferenceRequest, rewrite_model
 from epp.scheduling.types import (
     EXPLAIN_NOTES,
@@ -145,6 +153,15 @@ class Director:
             raise Unavailable("no ready endpoint in the pool")
         return endpoints
 
+    @staticmethod
+    def _priority(config: SchedulingConfig, request: InferenceRequest) -> int:
+        """The request's priority: its objective's (x-llm-d-inference-objective, or
+        x-gateway-inference-objective), DEFAULT_PRIORITY without one."""
+        objective = objective_of(request)
+        if not objective:
+            return DEFAULT_PRIORITY
+        return config.objectives.get(objective, DEFAULT_PRIORITY)
+
     def _admit(
         self,
         config: SchedulingConfig,
@@ -153,14 +170,10 @@ class Director:
         candidates: Sequence[Endpoint],
         report: dict[str, Any] | None = None,
     ) -> None:
-        """Raise `Shed` (429), or an admitter's error, if the request may not be
-        scheduled now. `report` receives the pool's saturation when it was looked at
-        (for /debug/explain)."""
-        priority = (
-            config.objectives.get(request.objective, DEFAULT_PRIORITY)
-            if request.objective
-            else DEFAULT_PRIORITY
-        )
+        """Without flow control: raise `Shed` (429), or an admitter's error, if the
+        request may not be scheduled now. `report` receives the pool's saturation
+        when it was looked at (for /debug/explain)."""
+        priority = self._priority(config, request)
         cycle.put(PRIORITY, priority)
         detector = config.saturation_detector
         if detector is not None and priority < 0:
@@ -173,9 +186,18 @@ class Director:
             if saturation >= 1.0:
                 raise Shed(
                     f"the pool is saturated (saturation {saturation:.2f} by {detector.name})"
-                    f" and objective {request.objective!r} has priority {priority} < 0:"
+                    f" and objective {objective_of(request)!r} has priority {priority} < 0:"
                     " the request is shed"
                 )
+        self._run_admitters(config, request, cycle, candidates)
+
+    @staticmethod
+    def _run_admitters(
+        config: SchedulingConfig,
+        request: InferenceRequest,
+        cycle: CycleState,
+        candidates: Sequence[Endpoint],
+    ) -> None:
         for slot in config.admitters:
             t0 = time.perf_counter()
             try:
@@ -228,7 +250,32 @@ class Director:
     ) -> Decision:
         candidates = self.candidates(subset)
         cycle = CycleState()
-        self._admit(config, request, cycle, candidates)
+        controller = config.flow_control
+        if controller is None:
+            self._admit(config, request, cycle, candidates)
+            return await self._decide(config, request, cycle, candidates)
+        priority = self._priority(config, request)
+        cycle.put(PRIORITY, priority)
+        # Waits while the pool is saturated; cancelled with the stream, the request
+        # leaves its queue at once.
+        item = await controller.admit(
+            request.request_id, priority, fairness_id_of(request), len(request.body)
+        )
+        try:
+            # Late binding: the pool as it is now, not as it was when the request came.
+            candidates = self.candidates(subset)
+            self._run_admitters(config, request, cycle, candidates)
+            return await self._decide(config, request, cycle, candidates)
+        finally:
+            controller.picked(item)
+
+    async def _decide(
+        self,
+        config: SchedulingConfig,
+        request: InferenceRequest,
+        cycle: CycleState,
+        candidates: Sequence[Endpoint],
+    ) -> Decision:
         result = await self._schedule(config, request, cycle, candidates)
         targets = result.targets
         if not targets:
@@ -280,6 +327,9 @@ class Director:
             except Exception:
                 log.exception("first-chunk plugin %s failed", slot.name)
             slot.observe(time.perf_counter() - t0)
+        if decision.config.flow_control is not None:
+            # The prefill is over: an engine's queue may have room again.
+            decision.config.flow_control.notify()
 
     def finish(self, decision: Decision, response: ResponseInfo) -> None:
         """End a routed request. Idempotent: only the first call counts."""
@@ -305,6 +355,8 @@ class Director:
                 log.exception("post-response plugin %s failed", slot.name)
             slot.observe(time.perf_counter() - t0)
         self._release(decision.config)
+        if decision.config.flow_control is not None:
+            decision.config.flow_control.notify()  # capacity freed: dispatch the next
 
     async def explain(
         self, request: InferenceRequest, subset: Sequence[str] | None = None
@@ -324,8 +376,16 @@ class Director:
         cycle = CycleState()
         shed: str | None = None
         admission: dict[str, Any] = {}
+        controller = config.flow_control
         try:
-            self._admit(config, request, cycle, candidates, admission)
+            if controller is None:
+                self._admit(config, request, cycle, candidates, admission)
+            else:
+                priority = self._priority(config, request)
+                cycle.put(PRIORITY, priority)
+                # Where the request would wait, and whether it would.
+                admission["flowControl"] = controller.explain(priority, fairness_id_of(request))
+                self._run_admitters(config, request, cycle, candidates)
         except EppError as error:
             # Shown with the scores the request would have got, for debugging.
             shed = error.message

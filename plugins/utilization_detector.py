@@ -14,6 +14,15 @@ left out of the max; an endpoint with neither counts as 1.0.
   one when some objective is sheddable): pool saturation = mean load over the
   request's candidates (no candidate: 1.0). At 1.0 or more, requests whose
   objective has a negative priority are shed with a 429; others are admitted.
+- As flow control's dispatch gate (`dispatch_saturation`, asked only when the
+  `flowControl` feature gate is on): the same mean, except that an endpoint whose
+  metrics are stale or unreachable is judged by the requests this EPP has in flight
+  there, `in_flight / staleMaxConcurrency` (default 100, the `maxConcurrency` of
+  llm-d's concurrency detector), instead of counting as fully loaded. The EPP's own
+  count is always current, so a scrape outage degrades the gate to a concurrency
+  limit instead of freezing dispatch (llm-d's detector reads stale as saturated,
+  which halts every queued request until its TTL). Admission with the gate off
+  (`saturation`) is unchanged: stale still counts as 1.0 there.
 - As a filter (in a profile): keeps endpoints with fresh metrics and
   q < Q * (1 + headroom) and u < K * (1 + headroom); `headroom` (default 0) lets
   affinity push a pod past its ideal load before it is avoided. If that would drop
@@ -41,6 +50,9 @@ class UtilizationDetector:
         kv_cache_util_threshold: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
         metrics_staleness_threshold: Duration = "200ms"
         headroom: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+        # This EPP's: the concurrency an endpoint with stale metrics is judged by
+        # (see `dispatch_saturation`).
+        stale_max_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 100
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.clock = context.clock
@@ -50,6 +62,7 @@ class UtilizationDetector:
         if self.staleness_s <= 0:
             raise ValueError("metricsStalenessThreshold must be positive")
         self.headroom = params.headroom
+        self.stale_max_concurrency = params.stale_max_concurrency
 
     def load(self, endpoint: Endpoint, now: float) -> float:
         """The endpoint's load, 1.0 = at its thresholds; 1.0 when unknown."""
@@ -68,6 +81,21 @@ class UtilizationDetector:
             return 1.0
         now = self.clock()
         return sum(self.load(e, now) for e in endpoints) / len(endpoints)
+
+    def dispatch_saturation(self, endpoints: Sequence[Endpoint]) -> float:
+        """Saturation for flow control's dispatch gate: stale endpoints judged by
+        this EPP's in-flight count (see the module's docstring)."""
+        if not endpoints:
+            return 1.0
+        now = self.clock()
+        total = 0.0
+        for e in endpoints:
+            metrics = e.metrics
+            if metrics.unreachable or metrics.age(now) > self.staleness_s:
+                total += e.in_flight / self.stale_max_concurrency
+            else:
+                total += self.load(e, now)
+        return total / len(endpoints)
 
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]

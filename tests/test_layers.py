@@ -42,6 +42,7 @@ ORDER = (
     "epp.sources.kube",  # ... or the Kubernetes API
     "epp.telemetry",  # the EPP's own Prometheus metrics
     "epp.scheduling",  # the plugin framework: interfaces, scheduler, registry
+    "epp.flowcontrol",  # flow control: queues, policies' contracts, the controller
     "epp.config",  # EndpointPickerConfig: parse, defaults, build
     "epp.director",  # a request's pick and end
     "epp.completion",  # lean mode's ends, from the access log
@@ -73,6 +74,7 @@ PLUGINS_MAY_IMPORT = frozenset(
         "epp.ttft",
         "epp.sources.metrics",
         "epp.scheduling",
+        "epp.flowcontrol",
     }
 )
 
@@ -83,6 +85,7 @@ _SUBPACKAGE_UNITS = (
     "extproc",
     "tokenization",
     "ttft",
+    "flowcontrol",
     "_proto",
 )
 

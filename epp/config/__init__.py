@@ -20,13 +20,17 @@ The file has GIE's shape (see docs/architecture.md, "The config file"):
         extractors: [{pluginRef: core-metrics-extractor}]
     inferenceObjectives:                                    # optional (this EPP)
     - {name: batch, priority: -1}
+    featureGates: [flowControl]                             # optional (llm-d)
+    flowControl: {defaultRequestTTL: 60s, ...}              # optional (llm-d)
 
 `inferenceObjectives` plays the part of GIE's InferenceObjective resources: a
 request's `x-gateway-inference-objective` header names one, and its `priority`
 (default 0) is the request's; an unknown objective, or none, is priority 0. A
 negative priority is sheddable: while the saturation detector says the pool is
-saturated, such requests get a 429. What a file may leave out, and what is used
-instead, is listed in `epp.config.defaults`.
+saturated, such requests get a 429. With the `flowControl` feature gate on,
+requests wait in priority bands instead and are dispatched as capacity frees
+(epp/config/flowcontrol.py reads the section; docs/flow-control.md). What a
+file may leave out, and what is used instead, is listed in `epp.config.defaults`.
 
 `load_config` runs three steps, each with its own module:
 

@@ -19,7 +19,8 @@ the whole config is built (epp/reload.py) and the plugins only read them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -27,9 +28,20 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from epp.clock import SYSTEM_CLOCK, Clock
-from epp.config.document import CompleteConfig, PluginDecl
+from epp.config.document import BandPlan, CompleteConfig, FlowControlPlan, PluginDecl
 from epp.config.errors import Problems
-from epp.datastore import Datastore
+from epp.datastore import Datastore, Endpoint
+from epp.flowcontrol import (
+    BandConfig,
+    BandTemplate,
+    DispatchSaturation,
+    FairnessPolicy,
+    FlowController,
+    FlowControlMetrics,
+    FlowControlSettings,
+    OrderingPolicy,
+    UsageLimitPolicy,
+)
 from epp.scheduling.interfaces import (
     METRICS,
     Admitter,
@@ -72,6 +84,9 @@ class SchedulingConfig:
     # The plugins' services, by the name of the plugin that declared each: the
     # server runs them while this config is in use.
     services: Mapping[str, Service] = field(default_factory=dict)
+    # The `flowControl` gate on: requests wait here for capacity before their pick
+    # (and are never shed by the saturation detector directly). None: gate off.
+    flow_control: FlowController | None = None
 
     def endpoint_describers(self) -> list[DescribesEndpoints]:
         """The services and plugins with facts for /debug/endpoints, services first."""
@@ -157,6 +172,11 @@ def build(config: CompleteConfig, resources: BuildResources) -> SchedulingConfig
         problems.add(("schedulingProfiles",), f"profile handler {config.profile_handler!r}: {exc}")
     problems.stop_if_any()
 
+    flow_control = (
+        _flow_controller(config.flow_control, plugins, detector, resources)
+        if config.flow_control is not None
+        else None
+    )
     return SchedulingConfig(
         scheduler=Scheduler(profiles, plugins.slot("profile_handler", config.profile_handler)),
         data_producers=plugins.slots("data_producer", DataProducer),
@@ -169,7 +189,81 @@ def build(config: CompleteConfig, resources: BuildResources) -> SchedulingConfig
         objectives=config.objectives,
         warnings=config.warnings,
         services=plugins.services,
+        flow_control=flow_control,
     )
+
+
+def _flow_controller(
+    plan: FlowControlPlan,
+    plugins: _Plugins,
+    detector: Slot[SaturationDetector] | None,
+    resources: BuildResources,
+) -> FlowController:
+    """The controller of a config whose `flowControl` gate is on. Every policy it
+    names was checked (parse) and added if a default (defaults)."""
+
+    def band(band_plan: BandPlan) -> BandTemplate:
+        fairness = plugins.built[band_plan.fairness]
+        ordering = plugins.built[band_plan.ordering]
+        assert isinstance(fairness, FairnessPolicy)
+        assert isinstance(ordering, OrderingPolicy)
+        return BandTemplate(
+            band_plan.max_requests,
+            band_plan.max_bytes,
+            fairness,
+            ordering,
+            band_plan.fairness,
+            band_plan.ordering,
+        )
+
+    usage_limit = plugins.built[plan.usage_limit]
+    assert isinstance(usage_limit, UsageLimitPolicy)
+    bands: tuple[BandConfig, ...] = tuple(band(b).band(b.priority) for b in plan.bands)
+    settings = FlowControlSettings(
+        bands=bands,
+        default_band=band(plan.default_band),
+        default_negative_band=(
+            band(plan.default_negative_band) if plan.default_negative_band is not None else None
+        ),
+        usage_limit=usage_limit,
+        usage_limit_name=plan.usage_limit,
+        max_requests=plan.max_requests,
+        max_bytes=plan.max_bytes,
+        default_request_ttl_s=plan.default_request_ttl_s,
+        no_endpoint_request_ttl_s=plan.no_endpoint_request_ttl_s,
+        recheck_interval_s=resources.settings.refresh_metrics_interval_s,
+    )
+    controller = FlowController(
+        settings,
+        _saturation_reader(detector),
+        resources.datastore,
+        clock=resources.clock,
+        sleep=resources.sleep,
+    )
+    controller.metrics = FlowControlMetrics(resources.metrics, controller.flows)
+    return controller
+
+
+def _saturation_reader(
+    detector: Slot[SaturationDetector] | None,
+) -> Callable[[Sequence[Endpoint]], float]:
+    """The gate's reading: the detector's dispatch reading when it has one (it does
+    not freeze on stale data), else its saturation; timed like any plugin call."""
+    if detector is None:
+        return lambda endpoints: 0.0  # not reached: the defaults add a detector
+    plugin = detector.plugin
+    read = (
+        plugin.dispatch_saturation if isinstance(plugin, DispatchSaturation) else plugin.saturation
+    )
+
+    def saturation(endpoints: Sequence[Endpoint]) -> float:
+        t0 = time.perf_counter()
+        try:
+            return read(endpoints)
+        finally:
+            detector.observe(time.perf_counter() - t0)
+
+    return saturation
 
 
 class _Plugins:

@@ -15,6 +15,13 @@ The defaults (GIE's, unless said otherwise):
   priority), else none (nothing could be shed);
 - GIE's older `saturationDetector` section, which holds the detector's own
   parameters: DEFAULT_SATURATION_DETECTOR with them;
+- the `flowControl` gate on: llm-d's defaults for the section (a band's bounds
+  5000 requests and 1 GB, defaultRequestTTL 60s, priority 0 always has a band:
+  epp.config.flowcontrol.plan), and its default policies
+  (`global-strict-fairness-policy`, `fcfs-ordering-policy`,
+  `static-usage-limit-policy`) when the file does not declare them; and
+  DEFAULT_SATURATION_DETECTOR when the file names no detector (flow control
+  always needs one);
 - no data source: DEFAULT_METRICS_SOURCE if the default detector is used (it
   reads metrics), or, unless `dataLayer.injectDefaults` is false, if a plugin
   reads metrics (its `consumes`); the default source is offered every extractor
@@ -41,6 +48,7 @@ from epp.config.document import (
     roles_of,
 )
 from epp.config.errors import ConfigError, ConfigPath, Problems
+from epp.config.flowcontrol import POLICY_KINDS, plan
 from epp.config.parse import API_VERSIONS, KIND, decode_parameters
 from epp.scheduling.interfaces import (
     DataExtractor,
@@ -98,11 +106,26 @@ def complete(validated: ValidatedConfig, registry: PluginRegistry) -> CompleteCo
         for name, priority in validated.objectives.items()
     }
     detectors = [d.name for d in declared if d.does(SaturationDetector)]
+    flow_control = plan(validated.flow_control) if validated.flow_control is not None else None
     default_detector = validated.detector_parameters is not None or (
         validated.saturation_detector is None
         and not detectors
-        and any(priority < 0 for priority in objectives.values())
+        and (flow_control is not None or any(priority < 0 for priority in objectives.values()))
     )
+    if flow_control is not None:
+        # llm-d injects its default policies; here only those the section uses
+        # without declaring them.
+        wanted = {flow_control.usage_limit: "usageLimitPolicyPluginRef"}
+        for band in (*flow_control.bands, flow_control.default_band):
+            wanted.setdefault(band.fairness, "fairnessPolicyRef")
+            wanted.setdefault(band.ordering, "orderingPolicyRef")
+        if flow_control.default_negative_band is not None:
+            wanted.setdefault(flow_control.default_negative_band.fairness, "fairnessPolicyRef")
+            wanted.setdefault(flow_control.default_negative_band.ordering, "orderingPolicyRef")
+        for name, key in wanted.items():
+            interface, _, default = POLICY_KINDS[key]
+            if name == default:
+                implied.plugin(default, interface)
 
     data_layer = validated.data_layer
     if data_layer is not None:
@@ -168,6 +191,7 @@ def complete(validated: ValidatedConfig, registry: PluginRegistry) -> CompleteCo
         extractions=tuple(extractions),
         objectives=objectives,
         warnings=validated.warnings,
+        flow_control=flow_control,
     )
 
 

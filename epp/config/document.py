@@ -17,15 +17,19 @@ from typing import Any
 import msgspec
 
 from epp.config.errors import ConfigError, ConfigPath
+from epp.flowcontrol.interfaces import FLOW_CONTROL_POINTS
 from epp.scheduling.interfaces import EXTENSION_POINTS
 
 
 def roles_of(plugin_class: type) -> frozenset[type]:
-    """The plugin interfaces (`epp.scheduling.interfaces` protocols) a class
-    implements. Decided on the class, so that the whole config can be checked and
-    completed before any plugin is built."""
+    """The plugin interfaces (`epp.scheduling.interfaces` protocols, and flow
+    control's policies, `epp.flowcontrol.interfaces`) a class implements. Decided on
+    the class, so that the whole config can be checked and completed before any
+    plugin is built."""
     return frozenset(
-        protocol for _, protocol in EXTENSION_POINTS if issubclass(plugin_class, protocol)
+        protocol
+        for _, protocol in (*EXTENSION_POINTS, *FLOW_CONTROL_POINTS)
+        if issubclass(plugin_class, protocol)
     )
 
 
@@ -55,6 +59,58 @@ class Extraction:
     source: str
     extractor: str
     path: ConfigPath | None
+
+
+# ---------------------------------------------------------------------------
+# Flow control (epp/config/flowcontrol.py reads the section).
+
+
+@dataclass(frozen=True)
+class BandDecl:
+    """A band as written: None where the file leaves the value to the defaults."""
+
+    priority: int | None  # None: a template (defaultPriorityBand, ...)
+    max_requests: int | None
+    max_bytes: int | None
+    fairness: str | None
+    ordering: str | None
+
+
+@dataclass(frozen=True)
+class FlowControlDecl:
+    """The `flowControl` section of a file whose `flowControl` gate is on."""
+
+    max_requests: int
+    max_bytes: int
+    default_request_ttl_s: float | None
+    no_endpoint_request_ttl_s: float | None
+    default_band: BandDecl | None
+    default_negative_band: BandDecl | None
+    bands: tuple[BandDecl, ...]
+    usage_limit: str | None
+
+
+@dataclass(frozen=True)
+class BandPlan:
+    priority: int  # templates: 0 (unused)
+    max_requests: int
+    max_bytes: int
+    fairness: str  # plugin names
+    ordering: str
+
+
+@dataclass(frozen=True)
+class FlowControlPlan:
+    """Flow control with nothing left implied, ready to build."""
+
+    bands: tuple[BandPlan, ...]  # priority 0 always among them
+    default_band: BandPlan
+    default_negative_band: BandPlan | None
+    max_requests: int
+    max_bytes: int
+    default_request_ttl_s: float
+    no_endpoint_request_ttl_s: float
+    usage_limit: str
 
 
 # ---------------------------------------------------------------------------
@@ -102,6 +158,9 @@ class ValidatedConfig:
     detector_parameters: Mapping[str, Any] | None
     objectives: Mapping[str, int | None]  # objective name -> priority (None: not given)
     warnings: tuple[str, ...]
+    # The `flowControl` section when the `flowControl` feature gate is on; None:
+    # the gate is off (admission sheds sheddable requests, as before).
+    flow_control: FlowControlDecl | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -145,3 +204,4 @@ class CompleteConfig:
     extractions: tuple[Extraction, ...]
     objectives: Mapping[str, int]
     warnings: tuple[str, ...]
+    flow_control: FlowControlPlan | None = None  # None: the gate is off

@@ -35,6 +35,13 @@ from epp.config.document import (
     roles_of,
 )
 from epp.config.errors import ConfigError, ConfigPath, InvalidConfig, Problems, Rejected
+from epp.config.flowcontrol import (
+    FLOW_CONTROL_GATE,
+    FlowControlSpec,
+    check_flow_control,
+    decode_flow_control,
+    feature_gates,
+)
 from epp.scheduling.interfaces import (
     DataExtractor,
     DataSource,
@@ -58,11 +65,7 @@ KIND: Final = "EndpointPickerConfig"
 
 # Sections of GIE's schema this EPP accepts but does not act on: a config written
 # for GIE loads, and the log says what is ignored.
-IGNORED_GIE_SECTIONS: Final = (
-    "featureGates",
-    "flowControl",
-    "parser",
-)
+IGNORED_GIE_SECTIONS: Final = ("parser",)
 
 SECTIONS: Final = frozenset(
     {
@@ -73,6 +76,9 @@ SECTIONS: Final = frozenset(
         "saturationDetector",
         "dataLayer",
         "inferenceObjectives",
+        # llm-d's feature gates and flow control (epp/config/flowcontrol.py).
+        "featureGates",
+        "flowControl",
         *IGNORED_GIE_SECTIONS,
     }
 )
@@ -197,6 +203,9 @@ class _Shape:
     objectives: dict[str, int | None]
     warnings: tuple[str, ...]
     plugins: dict[str, PluginDecl]  # resolved and decoded, by name
+    gates: dict[str, bool]  # every known feature gate's value
+    flow_control: FlowControlSpec | None  # the section, if the file has one
+    detector_path: ConfigPath = ("saturationDetector", "pluginRef")
 
 
 def validate(data: object, registry: PluginRegistry) -> ValidatedConfig:
@@ -221,11 +230,13 @@ def _check_shape(data: object, registry: PluginRegistry, problems: Problems) -> 
     for key in data:
         if key not in SECTIONS:
             problems.add((str(key),), f"unknown key; expected one of {', '.join(sorted(SECTIONS))}")
-    warnings = tuple(
+    warnings = [
         f"{key}: accepted for GIE compatibility but ignored"
         for key in IGNORED_GIE_SECTIONS
         if key in data
-    )
+    ]
+    gates, gate_warnings = feature_gates(data.get("featureGates"), problems)
+    warnings = gate_warnings + warnings
     if data.get("apiVersion") not in API_VERSIONS:
         problems.add(
             ("apiVersion",),
@@ -246,6 +257,15 @@ def _check_shape(data: object, registry: PluginRegistry, problems: Problems) -> 
             detector_parameters = raw
         else:
             detector_ref = problems.decode(raw, PluginRef, ("saturationDetector",))
+    detector_path: ConfigPath = ("saturationDetector", "pluginRef")
+    flow_control: FlowControlSpec | None = None
+    if "flowControl" in data:
+        flow_control = decode_flow_control(data["flowControl"], problems)
+        if flow_control is not None and flow_control.saturation_detector is not None:
+            # llm-d: the newer place of the detector; it wins over the top-level one.
+            detector_ref = PluginRef(flow_control.saturation_detector.plugin_ref)
+            detector_parameters = None
+            detector_path = ("flowControl", "saturationDetector", "pluginRef")
     data_layer: DataLayerSpec | None = None
     if "dataLayer" in data:
         data_layer = problems.decode(data["dataLayer"] or {}, DataLayerSpec, ("dataLayer",))
@@ -258,8 +278,11 @@ def _check_shape(data: object, registry: PluginRegistry, problems: Problems) -> 
         detector_parameters,
         data_layer,
         objectives,
-        warnings,
+        tuple(warnings),
         plugins,
+        gates,
+        flow_control,
+        detector_path,
     )
 
 
@@ -365,10 +388,26 @@ def _check_meaning(shape: _Shape, problems: Problems) -> ValidatedConfig:
                 f"{decl.type_name!r} implements none of the plugin interfaces"
                 " (filter, score, pick, select_profiles/process_results, disaggregate,"
                 " prepare, pre_request, response_first_chunk, post_response, saturation,"
-                " admit, add_extractor, extract)",
+                " admit, add_extractor, extract; flow control's pick_flow, order_key,"
+                " compute_limits)",
             )
     data_layer = _data_layer(shape.data_layer, plugins, problems)
     detector = _saturation_detector(shape, problems)
+    warnings = list(shape.warnings)
+    flow_control = None
+    if shape.gates[FLOW_CONTROL_GATE] or shape.flow_control is not None:
+        # Checked even with the gate off: an error is an error, whether or not the
+        # section is used today.
+        flow_control = check_flow_control(
+            shape.flow_control or FlowControlSpec(), plugins, problems, warnings
+        )
+        if not shape.gates[FLOW_CONTROL_GATE]:
+            flow_control = None
+            warnings.append(
+                "flowControl: ignored, the flowControl feature gate is off"
+                " (featureGates: [flowControl] turns it on); only its saturationDetector"
+                " is used"
+            )
     _check_references(shape.specs, shape.profiles, problems)
     profiles = tuple(
         _profile(j, profile, plugins, problems) for j, profile in enumerate(shape.profiles)
@@ -389,7 +428,8 @@ def _check_meaning(shape: _Shape, problems: Problems) -> ValidatedConfig:
         saturation_detector=detector,
         detector_parameters=shape.detector_parameters,
         objectives=shape.objectives,
-        warnings=shape.warnings,
+        warnings=tuple(warnings),
+        flow_control=flow_control,
     )
 
 
@@ -453,7 +493,7 @@ def _saturation_detector(shape: _Shape, problems: Problems) -> str | None:
             shape.detector_ref.plugin_ref,
             SaturationDetector,
             "a saturation detector",
-            ("saturationDetector", "pluginRef"),
+            shape.detector_path,
             shape.plugins,
             problems,
         )
@@ -463,7 +503,8 @@ def _saturation_detector(shape: _Shape, problems: Problems) -> str | None:
         problems.add(
             ("saturationDetector",),
             f"several saturation detectors ({', '.join(detectors)}): name the one that"
-            " decides admission with saturationDetector: {pluginRef: ...}",
+            " decides admission with saturationDetector: {pluginRef: ...}"
+            " (or flowControl.saturationDetector)",
         )
     return None
 

@@ -142,11 +142,19 @@ def streamed_body(field: str, body: bytes, end_of_stream: bool) -> list[pb.Proce
 
 
 def immediate_response(error: EppError) -> pb.ProcessingResponse:
-    """Answer the client directly with `error`'s status and OpenAI-shaped body."""
+    """Answer the client directly with `error`'s status and OpenAI-shaped body, and
+    the headers the error carries, if any (`response_headers`: flow control's
+    Retry-After and dropped reason)."""
+    extra: tuple[tuple[str, str], ...] = getattr(error, "response_headers", ())
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status.HttpStatus(code=error.status),  # type: ignore[arg-type]
-            headers=pb.HeaderMutation(set_headers=[_set("content-type", "application/json")]),
+            headers=pb.HeaderMutation(
+                set_headers=[
+                    _set("content-type", "application/json"),
+                    *(_set(k, v) for k, v in extra),
+                ]
+            ),
             body=error.body(),
             details=f"epp_{error.outcome}",
         )

@@ -8,6 +8,14 @@
                                      --stream ends, lean mode--> HANDED_OFF
     any state --EPP answers the client itself (error)--> ANSWERED
 
+With flow control on (docs/flow-control.md), routing may wait: the director
+holds the request in its priority band until capacity frees, while the stream
+stays in its request phase and Envoy waits for the reply (its ext_proc
+`message_timeout` must cover the queue's TTL). If the client goes away, Envoy
+resets the stream, the waiting coroutine is cancelled and the request leaves its
+queue at once; if flow control sheds it, the client gets an ImmediateResponse
+(429/503 with Retry-After).
+
 FULL_DUPLEX_STREAMED (GIE's mode): nothing is answered until the request body has
 ended; then come the request-headers reply carrying the decision and the body,
 handed back unchanged in chunks. BUFFERED bodies: the headers are answered at
@@ -52,6 +60,7 @@ from epp.director import Decision, Director
 from epp.errors import EppError, InternalError, PayloadTooLarge
 from epp.extproc import messages as m
 from epp.extproc.usage import UsageReader
+from epp.flowcontrol import FLOW_CONTROL_HEADERS
 from epp.logs import VERBOSE, request_id_var
 from epp.requests import CONTROL_HEADERS, EPP_SET_HEADERS, InferenceRequest, parse_request
 from epp.scheduling.types import ResponseInfo
@@ -308,7 +317,9 @@ class RequestStream:
         )
 
     def _headers_to_remove(self, decision: Decision, body_changed: bool = False) -> list[str]:
-        remove: list[str] = [h for h in CONTROL_HEADERS if h in self.headers]
+        remove: list[str] = [
+            h for h in (*CONTROL_HEADERS, *FLOW_CONTROL_HEADERS) if h in self.headers
+        ]
         # A client's copy of a header only the EPP sets; one the decision sets is
         # overwritten instead.
         remove += [

@@ -81,7 +81,10 @@ def test_a_gie_config_loads_unchanged(registry: PluginRegistry) -> None:
     assert config.saturation_detector is not None
     assert config.saturation_detector.name == "utilization-detector"
     assert list(config.services) == ["metrics-data-source"]
-    assert config.warnings == ("featureGates: accepted for GIE compatibility but ignored",)
+    # featureGates: [flowControl] turns flow control on (docs/flow-control.md), with
+    # the file's detector as its gate.
+    assert config.warnings == ()
+    assert config.flow_control is not None
 
 
 def test_metrics_readers_get_the_default_source_with_the_flags(registry: PluginRegistry) -> None:
