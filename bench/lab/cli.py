@@ -91,6 +91,14 @@ def add_parser(commands: Any) -> None:
         " others decode (0: no roles, every pod serves whole requests); run it with a P/D"
         " config such as llm-d-pd (docs/disaggregation.md)",
     )
+    lab.add_argument(
+        "--prefill-role",
+        choices=("prefill", "prefill-decode"),
+        default="prefill",
+        help="the role of the --prefill-pods: prefill (they only prefill) or"
+        " prefill-decode (they may also serve whole requests, so all --pods may be"
+        " given it)",
+    )
     lab.add_argument("--seed", type=int, default=0, help="first seed")
     lab.add_argument("--seeds", type=int, default=5, help="seeds: --seed, --seed + 1, ...")
     lab.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory")
@@ -125,8 +133,12 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         problems.append("--seeds must be at least 1")
     if args.epp_replicas < 1:
         problems.append("--epp-replicas must be at least 1")
-    if not 0 <= args.prefill_pods < max(args.pods, 1):
-        problems.append("--prefill-pods must be at least 0 and fewer than --pods")
+    most = args.pods if args.prefill_role == "prefill-decode" else args.pods - 1
+    if not 0 <= args.prefill_pods <= max(most, 0):
+        problems.append(
+            "--prefill-pods must be at least 0 and fewer than --pods (at most --pods with"
+            " --prefill-role prefill-decode)"
+        )
     if args.burst < 1:
         problems.append("--burst must be at least 1")
     elif args.burst > 1 and args.workload == "trace":
@@ -166,6 +178,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
             delays=delays,
             epp_replicas=args.epp_replicas,
             prefill_pods=args.prefill_pods,
+            prefill_role=args.prefill_role,
         ),
         seeds=tuple(range(args.seed, args.seed + args.seeds)),
         load=load,

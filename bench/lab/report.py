@@ -44,8 +44,9 @@ def pd_lines(document: dict[str, Any]) -> list[str]:
     if not prefill_pods:
         return []
     lines = [
-        f"Prefill/decode fleet: {prefill_pods} prefill pods, {setup['pods'] - prefill_pods}"
-        " decode pods. Per policy, over all seeds: requests the router disaggregated, prefill"
+        f"Prefill/decode fleet: {prefill_pods} {setup.get('prefill_role', 'prefill')} pods,"
+        f" {setup['pods'] - prefill_pods} decode pods. Per policy, over all seeds: requests"
+        " the router disaggregated, prefill"
         " legs the prefill pods served, KV transfers the decode pods pulled (mean time), and"
         " prefill legs that failed (prefilled on the decode pod). The hit rate above counts"
         " both legs' prompt lookups; tokens pulled from a prefill pod are not hits.",

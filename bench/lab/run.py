@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from tqdm import tqdm
 
@@ -197,6 +197,9 @@ class EppRouter:
         return {"picks": sum(p["picks"] for p in parts), "refusals": refusals}
 
 
+PREFILL_ROLES: Final = ("prefill", "prefill-decode")
+
+
 @dataclass(frozen=True)
 class FleetSpec:
     pods: int
@@ -204,24 +207,31 @@ class FleetSpec:
     latency: LatencyModel = field(default_factory=LatencyModel)
     delays: Delays = field(default_factory=Delays)
     epp_replicas: int = 1  # EPP replicas behind Envoy (configs only; peers are one router)
-    # A P/D fleet: pods 0..prefill_pods-1 have the role prefill, the others decode;
-    # 0: no roles (an aggregated fleet, no labels).
+    # A P/D fleet: pods 0..prefill_pods-1 have the role `prefill_role`, the others
+    # decode; 0: no roles (an aggregated fleet, no labels).
     prefill_pods: int = 0
+    # `prefill`: those pods only prefill; `prefill-decode`: they may also take whole
+    # requests and decode (llm-d's role for pods that do both), so a decider that
+    # disaggregates only when it pays loses no decode capacity.
+    prefill_role: str = "prefill"
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.epp_replicas < 1:
             raise ValueError("a fleet needs at least one pod and one EPP replica")
-        if not 0 <= self.prefill_pods < self.pods:
+        if self.prefill_role not in PREFILL_ROLES:
+            raise ValueError(f"the prefill role must be one of {', '.join(PREFILL_ROLES)}")
+        most = self.pods if self.prefill_role == "prefill-decode" else self.pods - 1
+        if not 0 <= self.prefill_pods <= most:
             raise ValueError(
                 "prefill pods must be 0 (no roles) or fewer than the pods (a P/D fleet"
-                " needs a decode pod)"
+                " needs a decode pod; with the role prefill-decode, at most all of them)"
             )
 
     def role(self, index: int) -> str | None:
         """Pod `index`'s llm-d.ai/role."""
         if not self.prefill_pods:
             return None
-        return "prefill" if index < self.prefill_pods else "decode"
+        return self.prefill_role if index < self.prefill_pods else "decode"
 
 
 class _Request:
@@ -726,6 +736,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
         "setup": {
             "pods": fleet.pods,
             "prefill_pods": fleet.prefill_pods,
+            "prefill_role": fleet.prefill_role,
             "seeds": len(options.seeds),
             "seed_list": list(options.seeds),
             "load": offered / capacity,
