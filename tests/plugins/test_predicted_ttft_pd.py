@@ -252,6 +252,25 @@ def test_min_gain_holds_back_a_small_saving() -> None:
     assert "minGainMs" in answer.reason
 
 
+def test_a_gain_inside_the_predictions_error_is_no_gain() -> None:
+    d, p = pod("d", "decode"), pod("pp", "prefill")
+    loose = Fleet([d, p], minGainFraction=0.0)
+    _load_decode_pod(loose, d, 20)
+    req, cycle = loose.cycle({})
+    answer = loose.decider.disaggregate(req, cycle, d)
+    facts: Any = answer.facts
+    saving = 1 - facts["split"]["costMs"] / facts["whole"]["costMs"]
+    assert answer.disaggregate is True
+    assert saving > 0
+    # The same pods and load, a margin just above the predicted saving: no.
+    strict = Fleet([d, p], minGainFraction=min(0.99, saving + 0.01))
+    _load_decode_pod(strict, d, 20)
+    req, cycle = strict.cycle({})
+    held = strict.decider.disaggregate(req, cycle, d)
+    assert held.disaggregate is False
+    assert "minGainFraction" in held.reason
+
+
 def test_deciding_changes_no_pod_state() -> None:
     d, p = pod("d", "decode"), pod("pp", "prefill")
     fleet = Fleet([d, p])
@@ -328,6 +347,8 @@ def test_a_pd_config_with_it_routes_and_explains_the_decision() -> None:
         ({"streamDelayWeight": -1}, "streamDelayWeight"),
         ({"minGainMs": -0.5}, "minGainMs"),
         ({"minGainMs": "soon"}, "minGainMs"),
+        ({"minGainFraction": 1.0}, "minGainFraction"),
+        ({"minGainFraction": -0.1}, "minGainFraction"),
         ({"streamDelayWeight": float("inf")}, "streamDelayWeight"),
         ({"nonCachedTokens": 3}, "nonCachedTokens"),
     ],
