@@ -1,7 +1,8 @@
 """Flow control through a real Envoy and `epp serve`: a request that arrives while
-the pool is full is held (Envoy waits for the EPP's reply, within its ext_proc
-message_timeout) and served once a running request ends; one that finds its band
-full is answered 429 with Retry-After."""
+the pool is full is held (Envoy waits for the EPP's reply with the ext_proc stream
+open) and served once a running request ends; one that finds its band full is
+answered 429 with Retry-After. Faults while requests wait, and which Envoy timeouts
+count the wait: test_flow_control_faults.py."""
 
 from __future__ import annotations
 

@@ -80,6 +80,41 @@ APPROX_PREFIX_VALUES: Final[dict[str, Any]] = {
 }
 
 
+FLOW_CONTROL_TTL_S: Final = 1200.0
+FLOW_CONTROL_VALUES: Final[dict[str, Any]] = {
+    "envoy": {
+        "enabled": True,
+        "timeouts": {"streamIdle": "300s", "request": "30s", "route": "600s"},
+    },
+    "inferenceExtension": {
+        "failureMode": "FailOpen",
+        "flowControl": {
+            "enabled": True,
+            "defaultRequestTTL": "20m",
+            "maxRequests": 2000,
+            "maxBytes": "1Gi",
+            "defaultPriorityBand": {"maxRequests": 500, "orderingPolicyRef": "edf"},
+            "priorityBands": [
+                {
+                    "priority": 10,
+                    "maxRequests": 100,
+                    "fairnessPolicyRef": "round-robin-fairness-policy",
+                }
+            ],
+            "usageLimitPolicyPluginRef": "soft-reflective-ceiling-policy",
+        },
+        "scheduling": {
+            "plugins": [
+                {"type": "round-robin-fairness-policy"},
+                {"type": "edf-ordering-policy", "name": "edf"},
+                {"type": "soft-reflective-ceiling-policy"},
+            ],
+        },
+    },
+    "inferenceObjectives": [{"name": "interactive", "priority": 10}],
+}
+
+
 def _example_values() -> dict[str, Any]:
     # Parsed the way `helm install -f` reads a values file.
     text = (EXAMPLE / "values.yaml").read_text(encoding="utf-8")
@@ -197,6 +232,10 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
             }
         },
     ),
+    # Flow control from plain values, behind the standalone Envoy with FailOpen (its
+    # BUFFERED request body is where Envoy's ext_proc message timeout applies) and
+    # finite HTTP timeouts, all below a 20-minute TTL: the chart raises them.
+    "flow-control-envoy": deep_merge(REQUIRED, FLOW_CONTROL_VALUES),
     "hub-cache-size-limit": deep_merge(
         REQUIRED,
         {"inferenceExtension": {"huggingFace": {"cache": {"sizeLimit": "2Gi"}}}},
@@ -245,6 +284,11 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
     ),
 }
 SETS: Final = sorted(VALUE_SETS)
+FLOW_CONTROL: Final = [
+    s
+    for s in SETS
+    if VALUE_SETS[s].get("inferenceExtension", {}).get("flowControl", {}).get("enabled")
+]
 WITH_ENVOY: Final = [s for s in SETS if VALUE_SETS[s].get("envoy", {}).get("enabled")]
 FAIL_OPEN: Final = [
     s for s in WITH_ENVOY if VALUE_SETS[s]["inferenceExtension"].get("failureMode") == "FailOpen"
@@ -374,6 +418,31 @@ def test_chart_metadata() -> None:
             "decider",
             id="unknown P/D decider",
         ),
+        pytest.param(
+            {"inferenceExtension": {"flowControl": {"enabled": True, "ttl": "30s"}}},
+            "ttl",
+            id="flow control: unknown field",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"flowControl": {"defaultRequestTTL": "30"}}},
+            "defaultRequestTTL",
+            id="flow control: TTL without a unit",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"flowControl": {"priorityBands": [{"maxRequests": 5}]}}},
+            "priority",
+            id="flow control: a band without its priority",
+        ),
+        pytest.param(
+            {"inferenceExtension": {"flowControl": {"maxBytes": "lots"}}},
+            "maxBytes",
+            id="flow control: bytes not a quantity",
+        ),
+        pytest.param(
+            {"envoy": {"timeouts": {"streamIdle": "5m"}}},
+            "streamIdle",
+            id="envoy timeout not a protobuf duration",
+        ),
     ],
 )
 def test_a_typo_fails_at_render_time_with_a_schema_error(
@@ -455,6 +524,62 @@ def test_a_typo_fails_at_render_time_with_a_schema_error(
             {"inferenceExtension": {"secureServing": {"certSecretName": "epp-tls"}}},
             "certSecretName is only used with inferenceExtension.secureServing.enabled",
             id="a TLS secret without TLS",
+        ),
+        pytest.param(
+            {
+                "inferenceExtension": {
+                    "flowControl": {"enabled": True},
+                    "pluginsConfigFile": "mine.yaml",
+                    "pluginsCustomConfig": {"mine.yaml": "kind: EndpointPickerConfig"},
+                }
+            },
+            "put featureGates: [flowControl] and a flowControl: section in that file",
+            id="flow control values with a custom config file",
+        ),
+        pytest.param(
+            {
+                "inferenceExtension": {
+                    "flowControl": {
+                        "enabled": True,
+                        "priorityBands": [
+                            {"priority": 1, "fairnessPolicyRef": "round-robin-fairness-policy"}
+                        ],
+                    }
+                }
+            },
+            'priorityBands[0].fairnessPolicyRef "round-robin-fairness-policy" names no plugin',
+            id="an undeclared flow-control policy",
+        ),
+        pytest.param(
+            {
+                "inferenceExtension": {
+                    "flowControl": {"enabled": True, "priorityBands": [{"priority": 1}] * 2}
+                }
+            },
+            "lists priority 1 twice",
+            id="two bands with one priority",
+        ),
+        pytest.param(
+            {
+                "envoy": {"enabled": True},
+                "inferenceExtension": {"flowControl": {"enabled": True, "defaultRequestTTL": "0s"}},
+            },
+            "flow control without a TTL (defaultRequestTTL 0s)",
+            id="no TTL behind the standalone Envoy",
+        ),
+        pytest.param(
+            {
+                "envoy": {"enabled": True},
+                "inferenceExtension": {
+                    "pluginsConfigFile": "mine.yaml",
+                    "pluginsCustomConfig": {
+                        "mine.yaml": "featureGates: [flowControl]\n"
+                        "flowControl: {defaultRequestTTL: 0s}\n"
+                    },
+                },
+            },
+            "flow control without a TTL (defaultRequestTTL 0s)",
+            id="no TTL in a custom config behind the standalone Envoy",
         ),
     ],
 )
@@ -639,6 +764,139 @@ def test_disaggregation_off_keeps_the_single_default_profile() -> None:
     doc = yaml.safe_load(rendered("default").config_files["default-plugins.yaml"])
     assert [p["name"] for p in doc["schedulingProfiles"]] == ["default"]
     assert not {"decode-filter", "disagg-profile-handler"} & {p["type"] for p in doc["plugins"]}
+
+
+def test_flow_control_values_build_the_flow_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = rendered("flow-control-envoy").config_files["default-plugins.yaml"]
+    doc = yaml.safe_load(text)
+    assert doc["featureGates"] == ["flowControl"]
+    assert doc["flowControl"]["defaultRequestTTL"] == "20m"
+    controller = _load(text, monkeypatch).flow_control
+    assert controller is not None, "the gate is on: the loader must build a flow controller"
+    settings = controller.settings
+    assert settings.default_request_ttl_s == FLOW_CONTROL_TTL_S
+    assert (settings.max_requests, settings.max_bytes) == (2000, 2**30)
+    assert settings.usage_limit_name == "soft-reflective-ceiling-policy"
+    bands = {band.priority: band for band in settings.bands}
+    assert sorted(bands) == [0, 10]
+    assert (bands[10].max_requests, bands[10].fairness_name) == (
+        100,
+        "round-robin-fairness-policy",
+    )
+    # Priority 0 copies the template: its bound and ordering, the default fairness.
+    assert (bands[0].max_requests, bands[0].ordering_name, bands[0].fairness_name) == (
+        500,
+        "edf",
+        "global-strict-fairness-policy",
+    )
+
+
+def test_flow_control_off_by_default() -> None:
+    for name in ("default", "standalone-envoy"):
+        doc = yaml.safe_load(rendered(name).config_files["default-plugins.yaml"])
+        assert "featureGates" not in doc, name
+        assert "flowControl" not in doc, name
+
+
+def _seconds(duration: str) -> float:
+    assert duration.endswith("s"), duration
+    return float(duration[:-1])
+
+
+def _envoy_timeouts(bootstrap: Mapping[str, Any]) -> dict[str, float]:
+    """The inference listener's timeouts, in seconds (0: none)."""
+    (listener,) = [
+        item for item in bootstrap["static_resources"]["listeners"] if item["name"] == "inference"
+    ]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r["route"] for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
+    assert len({r["timeout"] for r in routes}) == len({r["idle_timeout"] for r in routes}) == 1
+    return {
+        "message_timeout": _seconds(_ext_proc(bootstrap)["message_timeout"]),
+        "stream_idle_timeout": _seconds(hcm["stream_idle_timeout"]),
+        "request_timeout": _seconds(hcm["request_timeout"]),
+        "route idle_timeout": _seconds(routes[0]["idle_timeout"]),
+        "route timeout": _seconds(routes[0]["timeout"]),
+    }
+
+
+# A custom config file that turns flow control on itself, with a TTL above the
+# default message timeout (1000 s) and the default headroom.
+CUSTOM_FLOW_CONTROL: Final = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: ["flowControl=true"]
+plugins:
+- type: queue-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+flowControl:
+  defaultRequestTTL: 1h
+"""
+
+
+@pytest.mark.parametrize(
+    ("values", "ttl_s", "least_s"),
+    [
+        pytest.param(FLOW_CONTROL_VALUES, FLOW_CONTROL_TTL_S, 1230.0, id="values"),
+        pytest.param(
+            {
+                "envoy": {"enabled": True, "timeouts": {"flowControlHeadroom": "120s"}},
+                "inferenceExtension": {
+                    "pluginsConfigFile": "mine.yaml",
+                    "pluginsCustomConfig": {"mine.yaml": CUSTOM_FLOW_CONTROL},
+                },
+            },
+            3600.0,
+            3720.0,
+            id="custom config file",
+        ),
+    ],
+)
+def test_flow_control_raises_envoy_timeouts_above_the_ttl(
+    values: dict[str, Any], ttl_s: float, least_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chart = render(deep_merge(REQUIRED, values))
+    controller = _load(_epp_config_text(chart), monkeypatch).flow_control
+    assert controller is not None
+    assert controller.settings.default_request_ttl_s == ttl_s
+    timeouts = _envoy_timeouts(_envoy_bootstrap(chart))
+    # Every timeout that runs while a request waits in the picker's queue is either
+    # none (0) or the TTL plus the headroom for the pick: Envoy never fails a queued
+    # request first; the picker answers 429 at the TTL.
+    for key in ("message_timeout", "stream_idle_timeout", "request_timeout", "route idle_timeout"):
+        assert timeouts[key] == 0 or timeouts[key] >= least_s > ttl_s, (key, timeouts)
+    assert timeouts["message_timeout"] == least_s  # the one that cannot be none
+    given = values["envoy"].get("timeouts", {})
+    if "streamIdle" in given:  # finite ones are raised, not turned off
+        assert timeouts["stream_idle_timeout"] == timeouts["route idle_timeout"] == least_s
+        assert timeouts["request_timeout"] == least_s
+    # The route timeout starts once the picker lets the request go: kept as given.
+    assert timeouts["route timeout"] == _seconds(given.get("route", "0s"))
+
+
+def test_timeouts_above_the_ttl_are_kept() -> None:
+    values = deep_merge(
+        FLOW_CONTROL_VALUES,
+        {
+            "envoy": {"timeouts": {"streamIdle": "3600s", "request": "0s"}},
+            "inferenceExtension": {"flowControl": {"defaultRequestTTL": "30s"}},
+        },
+    )
+    timeouts = _envoy_timeouts(_envoy_bootstrap(render(deep_merge(REQUIRED, values))))
+    assert timeouts["message_timeout"] == 1000  # envoy.extProc.messageTimeout, above 30 s + 30 s
+    assert timeouts["stream_idle_timeout"] == timeouts["route idle_timeout"] == 3600
+    assert timeouts["request_timeout"] == 0  # none stays none
+
+
+@pytest.mark.parametrize("name", [s for s in WITH_ENVOY if s not in FLOW_CONTROL])
+def test_without_flow_control_envoy_keeps_the_shipped_timeouts(name: str) -> None:
+    standalone = yaml.safe_load((ROOT / "manifests" / "envoy" / "envoy.yaml").read_text())
+    assert _envoy_timeouts(_envoy_bootstrap(rendered(name))) == _envoy_timeouts(standalone)
 
 
 def test_a_whole_custom_config_is_used_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1042,8 +1300,9 @@ def test_envoy_uses_the_projects_ext_proc_settings(name: str) -> None:
         assert bootstrap[key] == standalone[key], key
     ours = _ext_proc(bootstrap)
     shipped = _ext_proc(standalone)
-    for key in ("message_timeout", "metadata_options"):
-        assert ours[key] == shipped[key], key
+    assert ours["metadata_options"] == shipped["metadata_options"]
+    if name not in FLOW_CONTROL:  # raised above the TTL (test_flow_control_raises...)
+        assert ours["message_timeout"] == shipped["message_timeout"]
     assert ours["grpc_service"]["timeout"] == shipped["grpc_service"]["timeout"]
     assert shipped["failure_mode_allow"] is False
     mode = dict(ours["processing_mode"])
@@ -1094,8 +1353,11 @@ def test_fail_open_envoy_routes_to_the_pool_without_the_picker(name: str) -> Non
     assert picked["route"]["cluster"] == "original_destination_cluster"
     assert unpicked["match"] == {"prefix": "/"}
     assert unpicked["route"]["cluster"] == "pool_fallback"
-    for route in (picked, unpicked):
-        assert route["route"]["timeout"] == route["route"]["idle_timeout"] == "0s"
+    # The two routes time out alike (0s, none, unless envoy.timeouts says otherwise).
+    assert picked["route"]["timeout"] == unpicked["route"]["timeout"]
+    assert picked["route"]["idle_timeout"] == unpicked["route"]["idle_timeout"]
+    if name not in FLOW_CONTROL:
+        assert picked["route"]["timeout"] == picked["route"]["idle_timeout"] == "0s"
     clusters = _clusters(bootstrap)
     assert clusters["original_destination_cluster"]["type"] == "ORIGINAL_DST"
     fallback = clusters["pool_fallback"]

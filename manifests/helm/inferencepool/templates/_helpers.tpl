@@ -130,6 +130,125 @@ message that says what to change.
 {{- if and $detector (not (hasKey $names $detector)) -}}
 {{- fail (printf "inferenceExtension.scheduling.saturationDetector %q names no plugin of inferenceExtension.scheduling.plugins" $detector) -}}
 {{- end -}}
+{{- $fc := $ie.flowControl | default dict -}}
+{{- if get $fc "enabled" -}}
+{{- if ne $file "default-plugins.yaml" -}}
+{{- fail (printf "inferenceExtension.flowControl.enabled builds default-plugins.yaml, but the picker loads %s (pluginsConfigFile): put featureGates: [flowControl] and a flowControl: section in that file instead, and leave inferenceExtension.flowControl.enabled false" $file) -}}
+{{- end -}}
+{{- $defaults := list "global-strict-fairness-policy" "fcfs-ordering-policy" "static-usage-limit-policy" -}}
+{{- $refs := list (list "usageLimitPolicyPluginRef" (get $fc "usageLimitPolicyPluginRef")) -}}
+{{- range $band := list "defaultPriorityBand" "defaultNegativePriorityBand" -}}
+{{- $spec := get $fc $band | default dict -}}
+{{- range $key := list "fairnessPolicyRef" "orderingPolicyRef" -}}
+{{- $refs = append $refs (list (printf "%s.%s" $band $key) (get $spec $key)) -}}
+{{- end -}}
+{{- end -}}
+{{- $priorities := dict -}}
+{{- range $i, $spec := (get $fc "priorityBands" | default list) -}}
+{{- $p := toString (get $spec "priority") -}}
+{{- if hasKey $priorities $p -}}
+{{- fail (printf "inferenceExtension.flowControl.priorityBands lists priority %s twice" $p) -}}
+{{- end -}}
+{{- $_ := set $priorities $p true -}}
+{{- range $key := list "fairnessPolicyRef" "orderingPolicyRef" -}}
+{{- $refs = append $refs (list (printf "priorityBands[%d].%s" $i $key) (get $spec $key)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $refs -}}
+{{- $ref := index . 1 -}}
+{{- if and $ref (not (hasKey $names $ref)) (not (has $ref $defaults)) -}}
+{{- fail (printf "inferenceExtension.flowControl.%s %q names no plugin of inferenceExtension.scheduling.plugins (declare it there, e.g. {type: %s}; only %s need no declaration)" (index . 0) $ref $ref (join ", " $defaults)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $ttl := include "inferencepool.flowControlTTL" . -}}
+{{- if and .Values.envoy.enabled (not .Values.envoy.customConfig) (ne $ttl "") -}}
+{{- if eq (float64 $ttl) 0.0 -}}
+{{- fail "flow control without a TTL (defaultRequestTTL 0s): a request could wait in the picker longer than any timeout of the standalone Envoy, whose timeouts are derived from the TTL; set defaultRequestTTL (e.g. 60s)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Seconds (a number) in a duration: Go's (60s, 1m30s, 500ms) or protobuf's (10s). */}}
+{{- define "inferencepool.seconds" -}}
+{{- $units := dict "ns" 0.000000001 "us" 0.000001 "µs" 0.000001 "μs" 0.000001 "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0 -}}
+{{- $total := 0.0 -}}
+{{- range regexFindAll "([0-9]+(\\.[0-9]*)?|\\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)" (toString .) -1 -}}
+{{- $number := regexFind "^([0-9]+(\\.[0-9]*)?|\\.[0-9]+)" . -}}
+{{- $total = addf $total (mulf (float64 $number) (get $units (trimPrefix $number .))) -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}
+
+{{/*
+The flow-control TTL in seconds of the config the picker loads, or "" when that
+config has flow control off: from inferenceExtension.flowControl for
+default-plugins.yaml, else from the custom file's featureGates and flowControl.
+*/}}
+{{- define "inferencepool.flowControlTTL" -}}
+{{- $ie := .Values.inferenceExtension -}}
+{{- $fc := $ie.flowControl | default dict -}}
+{{- if eq $ie.pluginsConfigFile "default-plugins.yaml" -}}
+{{- if get $fc "enabled" -}}
+{{- include "inferencepool.seconds" (get $fc "defaultRequestTTL" | default "60s") -}}
+{{- end -}}
+{{- else -}}
+{{- $doc := get $ie.pluginsCustomConfig $ie.pluginsConfigFile | default "" | fromYaml -}}
+{{- $gates := get $doc "featureGates" -}}
+{{- $on := false -}}
+{{- if kindIs "slice" $gates -}}
+{{- range $gates -}}
+{{- if has (toString . | nospace) (list "flowControl" "flowControl=true") -}}
+{{- $on = true -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if $on -}}
+{{- $section := get $doc "flowControl" | default dict -}}
+{{- include "inferencepool.seconds" (get $section "defaultRequestTTL" | default "60s") -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The standalone Envoy's timeouts (YAML: messageTimeout, streamIdle, request,
+route). With flow control on, the ext_proc message timeout and the stream idle
+and request timeouts (those not 0s: none) are at least the TTL plus
+envoy.timeouts.flowControlHeadroom, in whole seconds: a request waiting in the
+picker's queue sends and receives nothing, and must not be failed by Envoy first.
+The route timeout starts once the picker has let the request go: not raised.
+*/}}
+{{- define "inferencepool.envoyTimeouts" -}}
+{{- $envoy := .Values.envoy -}}
+{{- $t := $envoy.timeouts | default dict -}}
+{{- $out := dict "messageTimeout" $envoy.extProc.messageTimeout -}}
+{{- range $key := list "streamIdle" "request" "route" -}}
+{{- $_ := set $out $key (get $t $key | default "0s") -}}
+{{- end -}}
+{{- $ttl := include "inferencepool.flowControlTTL" . -}}
+{{- if ne $ttl "" -}}
+{{- $headroom := include "inferencepool.seconds" (get $t "flowControlHeadroom" | default "30s") -}}
+{{- $least := addf (float64 $ttl) (float64 $headroom) | ceil -}}
+{{- range $key := list "messageTimeout" "streamIdle" "request" -}}
+{{- $given := include "inferencepool.seconds" (get $out $key) | float64 -}}
+{{- if and (or (eq $key "messageTimeout") (gt $given 0.0)) (lt $given $least) -}}
+{{- $_ := set $out $key (printf "%ds" (int $least)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* default-plugins.yaml's flowControl section, from inferenceExtension.flowControl. */}}
+{{- define "inferencepool.flowControlSection" -}}
+{{- $fc := .Values.inferenceExtension.flowControl -}}
+{{- $out := dict "defaultRequestTTL" (get $fc "defaultRequestTTL" | default "60s") -}}
+{{- range $key := list "maxRequests" "maxBytes" "defaultPriorityBand" "defaultNegativePriorityBand" "priorityBands" "usageLimitPolicyPluginRef" -}}
+{{- with get $fc $key -}}
+{{- $_ := set $out $key . -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
 
 {{/* One plugin entry of the EndpointPickerConfig: {type, name, parameters}. */}}
@@ -212,8 +331,12 @@ profile handler that names it) and the metrics plugins a non-vLLM pool needs.
 {{- $refs = append $refs (dict "pluginRef" .name "weight" .weight) -}}
 {{- end -}}
 {{- $refs = append $refs (dict "pluginRef" (default (get $s.picker "type") (get $s.picker "name"))) -}}
+{{- $fc := .Values.inferenceExtension.flowControl | default dict -}}
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
+{{- if get $fc "enabled" }}
+featureGates: [flowControl]
+{{- end }}
 plugins:
 {{- range (include "inferencepool.pluginList" . | fromYamlArray) }}
 - {{ toYaml (dict "type" .type) }}
@@ -243,6 +366,10 @@ saturationDetector:
 {{- with .Values.inferenceObjectives }}
 inferenceObjectives:
 {{ toYaml . }}
+{{- end }}
+{{- if get $fc "enabled" }}
+flowControl:
+  {{- include "inferencepool.flowControlSection" . | nindent 2 }}
 {{- end }}
 {{- end -}}
 
