@@ -35,6 +35,18 @@ Workloads (lengths in tokens):
   more often: Zipf weights 1 / rank) followed by a question of `question_len` tokens;
   short answers of `output_len` tokens. Long prompts whose documents recur, short
   outputs: the shape prefill/decode disaggregation is for.
+- `tenants` (the lab only: `python -m bench lab`): two tenants and three
+  priorities, for flow control (docs/flow-control.md). `requests` single-turn
+  prompts, each a tenant's own system prompt of `system_len` tokens and a question
+  of `question_len`, answers of `output_len`. Each request carries its tenant in
+  `x-llm-d-inference-fairness-id` (`steady` or `bursty`) and its objective in
+  `x-llm-d-inference-objective` (`critical` 10%, `standard` 60%, `batch` 30% of
+  each tenant's requests, drawn independently). The two tenants offer the same rate
+  outside the burst window; in the middle third of the run the bursty one offers
+  5 times as much. Arrival times come with the workload (sorted uniform draws, i.e.
+  Poisson arrivals given their number), in units where the steady tenant offers one
+  request per second; the lab scales them to the load asked for, so `--load` is the
+  mean offered load over the whole run.
 - `trace`: replay of a Mooncake-style JSONL trace, one request per line
   `{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`. Each hash id
   stands for a 512-token block; its words are drawn from a generator seeded by
@@ -71,6 +83,9 @@ DEFAULT_TOKENIZER = Path(
 )
 
 WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "no-reuse", "rag", "trace")
+# Workloads only the lab runs: their requests carry headers, which `bench run`'s
+# client does not send.
+LAB_WORKLOADS = ("tenants",)
 TRACE_BLOCK_TOKENS = 512
 TRACE_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -85,6 +100,9 @@ class Turn:
 
     messages: tuple[tuple[str, str], ...]  # (role, content)
     max_tokens: int
+    # Request headers beside the body (lower-case names): the tenants workload's
+    # fairness id and objective.
+    headers: tuple[tuple[str, str], ...] = ()
 
     def body(self, model: str) -> dict[str, Any]:
         """The OpenAI chat request, streamed with usage in the last chunk."""
@@ -389,6 +407,83 @@ def rag(
     return Workload("rag", params, tuple(sessions))
 
 
+# The tenants workload (flow control): its fixed shape.
+FAIRNESS_ID_HEADER = "x-llm-d-inference-fairness-id"
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+TENANTS = ("steady", "bursty")
+# Objectives and the share of each tenant's requests that carries each one; their
+# priorities are the config's (`inferenceObjectives` of manifests/config/flow-control.yaml:
+# critical 10, standard 0, batch -1).
+OBJECTIVE_MIX = (("critical", 0.1), ("standard", 0.6), ("batch", 0.3))
+BURST_FACTOR = 5.0
+BURST_WINDOW = (1.0 / 3.0, 2.0 / 3.0)  # fractions of the run's arrival span
+
+
+def tenants(
+    words: Words,
+    *,
+    requests: int = 4000,
+    system_len: int = 64,
+    question_len: int = 1024,
+    output_len: int = 64,
+    seed: int = 0,
+) -> Workload:
+    """Two tenants, three objectives, one burst (see the module docstring).
+
+    Intensities in unit time: steady 1 req/s throughout, bursty 1 req/s outside the
+    window and BURST_FACTOR inside it, over a span T with T x (2 + (BURST_FACTOR - 1)
+    x w) = `requests` (w the window's fraction of T). Each tenant's count is its
+    expected share, its times drawn from its intensity."""
+    if requests < 2:
+        raise ValueError("tenants needs at least 2 requests")
+    rng = random.Random(f"tenants:{seed}")
+    start, end = BURST_WINDOW
+    width = end - start
+    span = requests / (2.0 + (BURST_FACTOR - 1.0) * width)
+    steady_n = round(span)
+    bursty_n = requests - steady_n
+    # The bursty tenant's arrivals: inside the window with probability
+    # BURST_FACTOR x w / (1 + (BURST_FACTOR - 1) x w), uniform there, else uniform
+    # over the rest of the span.
+    inside = BURST_FACTOR * width / (1.0 + (BURST_FACTOR - 1.0) * width)
+    systems = {t: words.text(rng, system_len) for t in TENANTS}
+    arrivals: list[tuple[float, str]] = [
+        (rng.uniform(0.0, span), "steady") for _ in range(steady_n)
+    ]
+    for _ in range(bursty_n):
+        if rng.random() < inside:
+            at = rng.uniform(start, end) * span
+        else:
+            u = rng.uniform(0.0, 1.0 - width)
+            at = (u if u < start else u + width) * span
+        arrivals.append((at, "bursty"))
+    arrivals.sort()
+    names = [name for name, _ in OBJECTIVE_MIX]
+    weights = [share for _, share in OBJECTIVE_MIX]
+    sessions = []
+    for i, (at, tenant) in enumerate(arrivals):
+        objective = rng.choices(names, weights=weights)[0]
+        question = words.text(rng, question_len)
+        headers = ((FAIRNESS_ID_HEADER, tenant), (OBJECTIVE_HEADER, objective))
+        turn = Turn((("system", systems[tenant]), ("user", question)), output_len, headers)
+        sessions.append(Session(i, TENANTS.index(tenant), (turn,), arrival_s=at))
+    params = {
+        "requests": requests,
+        "system_len": system_len,
+        "question_len": question_len,
+        "output_len": output_len,
+        "tenants": list(TENANTS),
+        "objectives": dict(OBJECTIVE_MIX),
+        "burst_factor": BURST_FACTOR,
+        # In the workload's own time units (steady tenant: 1 request per unit);
+        # results.json's `setup.burst_window_s` has it in the run's seconds.
+        "span": span,
+        "burst_window": [start * span, end * span],
+        "seed": seed,
+    }
+    return Workload("tenants", params, tuple(sessions))
+
+
 @dataclass(frozen=True)
 class TraceRecord:
     timestamp_ms: float
@@ -541,11 +636,15 @@ class WorkloadSpec:
             return no_reuse(words, seed=self.seed, **options)
         if self.name == "rag":
             return rag(words, seed=self.seed, **options)
+        if self.name == "tenants":
+            return tenants(words, seed=self.seed, **options)
         if self.name == "trace":
             if self.trace_path is None:
                 raise ValueError("the trace workload needs a trace file (--trace FILE)")
             return trace(words, self.trace_path, seed=self.seed, **options)
-        raise ValueError(f"unknown workload {self.name!r}; choose from {', '.join(WORKLOADS)}")
+        raise ValueError(
+            f"unknown workload {self.name!r}; choose from {', '.join(WORKLOADS + LAB_WORKLOADS)}"
+        )
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -589,6 +688,12 @@ WORKLOAD_OPTIONS: dict[str, dict[str, str]] = {
         "question_len": "question_len",
         "output_len": "output_len",
     },
+    "tenants": {
+        "requests": "requests",
+        "system_len": "system_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
     "trace": {"trace_limit": "limit", "trace_speed": "speed", "max_input_len": "max_input_len"},
 }
 ALL_WORKLOAD_OPTIONS = sorted({k for opts in WORKLOAD_OPTIONS.values() for k in opts})
@@ -599,7 +704,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_argument_group("workload shape (tokens; defaults are the workload's)")
     shape.add_argument("--groups", type=int)
     shape.add_argument("--prompts-per-group", type=int)
-    shape.add_argument("--requests", type=int, help="hot-prefix, no-reuse, rag: total requests")
+    shape.add_argument(
+        "--requests", type=int, help="hot-prefix, no-reuse, rag, tenants: total requests"
+    )
     shape.add_argument("--documents", type=int, help="rag: distinct documents")
     shape.add_argument("--document-len", type=int, help="rag: tokens per document")
     shape.add_argument("--hot-share", type=float, help="hot-prefix: the hot group's share")

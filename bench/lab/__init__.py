@@ -17,6 +17,7 @@ model, the KV events), with every delay between them modelled:
     workload.py  requests, lazily materialised (body for the router, token ids
                  for the engine); the fleet's capacity
     run.py       one (policy, seed) run and the statistics over seeds
+    tenants.py   the tenants workload's flow-control figures (priorities, fairness)
     cli.py       `python -m bench lab`
 
 Given a seed, a run is deterministic: the same inputs give the same results file.

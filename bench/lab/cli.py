@@ -33,7 +33,7 @@ DELAY_FLAGS = (
 
 
 def add_parser(commands: Any) -> None:
-    from bench.workloads import WORKLOADS, add_shape_arguments
+    from bench.workloads import LAB_WORKLOADS, WORKLOADS, add_shape_arguments
 
     lab = commands.add_parser(
         "lab",
@@ -44,7 +44,13 @@ def add_parser(commands: Any) -> None:
         " process, no sockets: a seed gives the same results every time.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    lab.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    lab.add_argument(
+        "--workload",
+        choices=WORKLOADS + LAB_WORKLOADS,
+        default="shared-prefix",
+        help="tenants: two tenants, three priorities, one burst, for flow control"
+        " (docs/flow-control.md)",
+    )
     lab.add_argument(
         "--policy",
         action="append",

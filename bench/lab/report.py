@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.lab.tenants import report_lines as tenants_report
+
 
 def _pm(result: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
     value, ci = result.get(key), result.get(f"{key}_ci95")
@@ -132,6 +134,7 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
             ],
             "",
         ]
+    lines += tenants_report(document["policies"])
     speed = ", ".join(
         f"{name} {r['wall_s']:.1f} s" for name, r in document["policies"].items() if r.get("wall_s")
     )
@@ -241,6 +244,54 @@ def plot_predictions(document: dict[str, Any], out: Path) -> str | None:
     return "ttft_predicted_vs_observed.png"
 
 
+def plot_tenants(document: dict[str, Any], out: Path) -> str | None:
+    """The tenants workload: TTFT p90 per objective and each tenant's share of its
+    fair share during the burst, per policy (mean ± 95% CI over seeds)."""
+    policies = {n: r["tenants"] for n, r in document["policies"].items() if "tenants" in r}
+    if not policies:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(policies)
+    objectives = list(next(iter(policies.values()))["by_objective"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        parts = [policies[name]["by_objective"][o] for o in objectives]
+        xs = [j + i * width for j in range(len(objectives))]
+        left.bar(
+            xs,
+            [(p["ttft_p90_s"] or 0.0) * 1000 for p in parts],
+            width,
+            yerr=[(p.get("ttft_p90_s_ci95") or 0.0) * 1000 for p in parts],
+            capsize=3,
+            label=name,
+        )
+        tenants = list(policies[name]["by_tenant"])
+        shares = [policies[name]["by_tenant"][t] for t in tenants]
+        right.bar(
+            [j + i * width for j in range(len(tenants))],
+            [s["of_fair_share"] or 0.0 for s in shares],
+            width,
+            yerr=[s.get("of_fair_share_ci95") or 0.0 for s in shares],
+            capsize=3,
+            label=name,
+        )
+    left.set_xticks([j + 0.4 - width / 2 for j in range(len(objectives))], objectives)
+    left.set_yscale("log")
+    left.set_ylabel("TTFT p90 (ms, virtual)")
+    left.set_title("TTFT p90 by objective")
+    left.legend(fontsize=8)
+    tenants = list(next(iter(policies.values()))["by_tenant"])
+    right.set_xticks([j + 0.4 - width / 2 for j in range(len(tenants))], tenants)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.axhspan(0.9, 1.1, color="grey", alpha=0.15)
+    right.set_ylabel("served / fair share (output tokens)")
+    right.set_title("During the burst")
+    fig.tight_layout()
+    fig.savefig(out / "flow_control.png", dpi=110)
+    plt.close(fig)
+    return "flow_control.png"
+
+
 def write_outputs(document: dict[str, Any], out: Path) -> list[str]:
     import json
 
@@ -249,6 +300,9 @@ def write_outputs(document: dict[str, Any], out: Path) -> list[str]:
     predictions = plot_predictions(document, out)
     if predictions is not None:
         plots.append(predictions)
+    tenants = plot_tenants(document, out)
+    if tenants is not None:
+        plots.append(tenants)
     slim = {
         **document,
         "policies": {

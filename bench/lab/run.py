@@ -35,7 +35,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -48,6 +48,7 @@ from bench.lab.epp import Delays, LabEpp
 from bench.lab.loop import EventLoop
 from bench.lab.peers import DynamoKv, SglangCacheAware
 from bench.lab.pod import LabPod
+from bench.lab.tenants import over_seeds_tenants, tenants_summary
 from bench.lab.workload import (
     MODEL,
     LabSession,
@@ -64,6 +65,8 @@ from bench.stack import ROOT
 from bench.stats import ci95, percentile
 from bench.workloads import Words, WorkloadSpec, answer_ids, load_words
 from epp.clock import VirtualClock
+from epp.director import Decision
+from epp.errors import EppError
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import TTFT_OBSERVED, Usage
 from sim.engine import EngineConfig, EngineRequest, RemotePrefill, TokenOutput
@@ -112,9 +115,16 @@ class Router(Protocol):
     def on_events(self, pod: LabPod, events: Sequence[KVEvent]) -> None: ...
 
     def route(
-        self, request_id: str, body: bytes, prompt: Sequence[int]
-    ) -> tuple[LabPod, Any] | None:
-        """The pod for this request now and a handle for `end`, or None (refused)."""
+        self,
+        request_id: str,
+        body: bytes,
+        prompt: Sequence[int],
+        headers: Mapping[str, str],
+        done: Callable[[Routed], None],
+    ) -> None:
+        """Hand `done` the pod for this request and a handle for `end`, or the
+        router's refusal: at once, or later (the EPP's flow control holds it until
+        a lab event frees capacity)."""
         ...
 
     def prefill_pod(self, handle: Any) -> LabPod | None:
@@ -130,6 +140,29 @@ class Router(Protocol):
     def close(self) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The router answered the request itself: its status (429, 503, ...) and why
+    (the error's type, and flow control's dropped reason when it has one)."""
+
+    status: int
+    kind: str
+
+    @property
+    def shed(self) -> bool:
+        """An answer a client can act on (retry later): not an error of the lab."""
+        return self.status in (429, 503)
+
+
+Routed = tuple[LabPod, Any] | Refusal | None  # None: refused without a status
+
+
+def _refusal(error: EppError) -> Refusal:
+    reason = getattr(error, "reason", None)
+    kind = type(error).__name__ + (f" {reason}" if isinstance(reason, str) else "")
+    return Refusal(error.status, kind)
 
 
 class EppRouter:
@@ -155,16 +188,34 @@ class EppRouter:
             epp.on_events(pod, events)
 
     def route(
-        self, request_id: str, body: bytes, prompt: Sequence[int]
-    ) -> tuple[LabPod, Any] | None:
+        self,
+        request_id: str,
+        body: bytes,
+        prompt: Sequence[int],
+        headers: Mapping[str, str],
+        done: Callable[[Routed], None],
+    ) -> None:
         epp = self.replicas[self._next]
         self._next = (self._next + 1) % len(self.replicas)
-        decision = epp.pick(request_id, PATH, body)
         delays = epp.delays
+        if epp.flow_control is not None:
+
+            def picked(outcome: Decision | EppError) -> None:
+                # Flow control picks no tokenizing text into the route delay.
+                self.route_delay_s = delays.route_s
+                if isinstance(outcome, EppError):
+                    done(_refusal(outcome))
+                else:
+                    done((epp.pod_of(outcome), (epp, outcome)))
+
+            epp.pick_later(request_id, PATH, body, headers, picked)
+            return
+        decision = epp.pick(request_id, PATH, body, headers)
         self.route_delay_s = delays.route_s + delays.route_per_token_s * epp.last_tokens_encoded
         if decision is None:
-            return None
-        return epp.pod_of(decision), (epp, decision)
+            done(None)
+            return
+        done((epp.pod_of(decision), (epp, decision)))
 
     def prefill_pod(self, handle: Any) -> LabPod | None:
         epp, decision = handle
@@ -194,7 +245,15 @@ class EppRouter:
         for part in parts:
             for key, count in part["refusals"].items():
                 refusals[key] = refusals.get(key, 0) + count
-        return {"picks": sum(p["picks"] for p in parts), "refusals": refusals}
+        out: dict[str, Any] = {"picks": sum(p["picks"] for p in parts), "refusals": refusals}
+        fcs = [p["flow_control"] for p in parts if "flow_control" in p]
+        if fcs:
+            # Replicas' own queues: peaks at most, counts summed.
+            out["flow_control"] = {
+                key: (max if key.startswith("queue_peak") else sum)(fc[key] for fc in fcs)
+                for key in fcs[0]
+            }
+        return out
 
 
 PREFILL_ROLES: Final = ("prefill", "prefill-decode")
@@ -244,6 +303,7 @@ class _Request:
         "handle",
         "pod",
         "record",
+        "routed_at",
         "run",
         "scheduled",
         "session",
@@ -267,6 +327,7 @@ class _Request:
         self.engine_request: EngineRequest | None = None
         self.first = True
         self.first_seen = 0.0
+        self.routed_at: float | None = None  # when the router answered
 
     def put_nowait(self, output: TokenOutput) -> None:
         now = self.run.loop.now()
@@ -334,6 +395,8 @@ class LabRun:
         self.pd_requests = 0
         self.pd_fallbacks = 0
         self._ids = 0
+        # Every request sent, with the headers it carried (per-tenant accounting).
+        self.sent: list[tuple[_Request, tuple[tuple[str, str], ...]]] = []
 
     def start(self) -> None:
         for session, start in zip(self.workload.sessions, self.starts, strict=True):
@@ -343,15 +406,30 @@ class LabRun:
         turn: LabTurn = session.turns[index]
         request = _Request(self, session, index, scheduled)
         self.records.append(request.record)
+        self.sent.append((request, turn.headers))
         self.timing.first_sent = min(self.timing.first_sent, scheduled)
         body, prompt = turn.build()
         self._ids += 1
-        routed = self.router.route(f"lab-{self._ids}", body, prompt)
-        if routed is None:
-            request.record.error = "refused: the router answered with an error"
+        self.router.route(
+            f"lab-{self._ids}",
+            body,
+            prompt,
+            dict(turn.headers),
+            functools.partial(self.routed, request, turn, prompt),
+        )
+
+    def routed(self, request: _Request, turn: LabTurn, prompt: list[int], outcome: Routed) -> None:
+        """The router's answer to `request`: now, or later when it held it."""
+        request.routed_at = self.loop.now()
+        if outcome is None or isinstance(outcome, Refusal):
+            if isinstance(outcome, Refusal) and outcome.shed:
+                request.record.status = outcome.status
+                request.record.error = f"shed: {outcome.status} {outcome.kind}"
+            else:
+                request.record.error = "refused: the router answered with an error"
             self.timing.last_done = max(self.timing.last_done, self.loop.now())
             return
-        pod, request.handle = routed
+        pod, request.handle = outcome
         request.pod = pod
         self.picks.append((self.loop.now(), pod.index))
         prefill = self.router.prefill_pod(request.handle)
@@ -489,6 +567,14 @@ def run_once(
         }
         result = summarize(run.records, run.timing, counters, 1.0, max_error_rate=1.0)
         result["router"] = router.describe()
+        account(run.records, result)
+        if workload.name == "tenants":
+            result["tenants"] = tenants_summary(
+                [(r.record, headers, r.routed_at) for r, headers in run.sent],
+                workload.burst_window_s,
+                result["router"],
+                int(workload.params["output_len"]),
+            )
         tpots = sorted(run.tpots)
         result["tpot_p50_s"] = percentile(tpots, 0.50)
         result["tpot_p90_s"] = percentile(tpots, 0.90)
@@ -509,6 +595,32 @@ def run_once(
     result.update(prediction_error(router.ttft_predictions))
     result["ttft_predictions"] = router.ttft_predictions
     return result
+
+
+def account(records: Sequence[Record], result: dict[str, Any]) -> None:
+    """Every request sent was served, answered by the router with a status it can
+    act on (shed: 429/503), or failed; none is left hanging. Shed requests are not
+    errors: `errors` and `status` are counted again without them (and `shed` added)
+    when there are any."""
+    hung = [r for r in records if not r.ok and r.error is None]
+    if hung:
+        raise RuntimeError(
+            f"lab accounting: {len(hung)} of {len(records)} requests neither served nor"
+            " answered (first: session {hung[0].session}, turn {hung[0].turn})"
+        )
+    shed = [r for r in records if not r.ok and r.error is not None and r.error.startswith("shed:")]
+    if not shed:
+        return
+    kinds: dict[str, int] = {}
+    for r in shed:
+        kind = r.error[len("shed: ") :] if r.error else "?"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    result["shed"] = len(shed)
+    result["shed_kinds"] = dict(sorted(kinds.items()))
+    result["errors"] -= len(shed)
+    result["error_kinds"].pop("shed", None)
+    if result["status"] == "errors" and not result["errors"]:
+        result["status"] = "ok"
 
 
 def pd_summary(run: LabRun, pods: Sequence[LabPod]) -> dict[str, Any]:
@@ -558,6 +670,8 @@ def over_seeds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[f"{key}_ci95"] = ci95(known)
     out["requests"] = runs[0]["requests"] if runs else 0
     out["status"] = "ok" if all(r["status"] == "ok" for r in runs) else "errors"
+    if runs and all("tenants" in r for r in runs):
+        out["tenants"] = over_seeds_tenants([r["tenants"] for r in runs])
     return out
 
 
@@ -613,16 +727,58 @@ class LabPolicy:
         return make
 
 
+class PeerRouter:
+    """A peer's model (bench/lab/peers.py) as a lab router: it answers every request
+    at once, and reads no headers."""
+
+    def __init__(self, model: SglangCacheAware | DynamoKv) -> None:
+        self.model = model
+        self.route_delay_s = model.route_delay_s
+        self.ttft_predictions = model.ttft_predictions
+
+    @property
+    def wants_events(self) -> bool:
+        return self.model.wants_events
+
+    def on_events(self, pod: LabPod, events: Sequence[KVEvent]) -> None:
+        self.model.on_events(pod, events)
+
+    def route(
+        self,
+        request_id: str,
+        body: bytes,
+        prompt: Sequence[int],
+        headers: Mapping[str, str],
+        done: Callable[[Routed], None],
+    ) -> None:
+        done(self.model.route(request_id, body, prompt))
+
+    def prefill_pod(self, handle: Any) -> LabPod | None:
+        return self.model.prefill_pod(handle)
+
+    def first_token(self, handle: Any) -> None:
+        self.model.first_token(handle)
+
+    def end(self, handle: Any, usage: Usage | None, completed: bool) -> None:
+        self.model.end(handle, usage, completed)
+
+    def close(self) -> None:
+        self.model.close()
+
+    def describe(self) -> dict[str, Any]:
+        return self.model.describe()
+
+
 def _sglang(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
     router = SglangCacheAware(pods, seed)
     router.route_delay_s = fleet.delays.peer_route_s
-    return router
+    return PeerRouter(router)
 
 
 def _dynamo(pods: Sequence[LabPod], loop: EventLoop, fleet: FleetSpec, seed: int) -> Router:
     router = DynamoKv(pods, loop, fleet.delays.kv_event_s, seed)
     router.route_delay_s = fleet.delays.peer_route_s
-    return router
+    return PeerRouter(router)
 
 
 PEER_MODELS: dict[str, RouterFactory] = {"sglang-cache-aware": _sglang, "dynamo-kv": _dynamo}
@@ -697,8 +853,9 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
     else:
         arrival_rate = None
         offered = _natural_rate(first)
-    if options.workload.name == "trace" and arrival_rate is not None:
-        # A trace keeps its own arrival pattern, scaled in time to the asked rate.
+    if options.workload.name in ("trace", "tenants") and arrival_rate is not None:
+        # A trace (and the tenants workload, whose burst is in its arrival times)
+        # keeps its own arrival pattern, scaled in time to the asked rate.
         speed = offered / _natural_rate(first)
         workloads = {seed: _scaled(w, speed) for seed, w in workloads.items()}
         arrival_rate = None
@@ -751,6 +908,11 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
             "delays": fleet.delays.to_json(),
             "epp_replicas": fleet.epp_replicas,
             "tokenizer": portable_path(options.tokenizer) if options.tokenizer else "builtin",
+            **(
+                {"burst_window_s": list(window)}
+                if (window := workloads[options.seeds[0]].burst_window_s) is not None
+                else {}
+            ),
         },
         "workload": first.describe(),
         "oracle": bounds.to_json() if bounds is not None else None,
@@ -769,4 +931,9 @@ def _natural_rate(workload: LabWorkload) -> float:
 def _scaled(workload: LabWorkload, speed: float) -> LabWorkload:
     """A trace replayed `speed` times faster."""
     sessions = [replace(s, arrival_s=(s.arrival_s or 0.0) / speed) for s in workload.sessions]
-    return replace(workload, sessions=sessions)
+    window = workload.burst_window_s
+    return replace(
+        workload,
+        sessions=sessions,
+        burst_window_s=None if window is None else (window[0] / speed, window[1] / speed),
+    )

@@ -67,6 +67,9 @@ class LabTurn:
     max_tokens: int
     prompt_len: int  # tokens (for the capacity estimate; exact for generated workloads)
     build: Callable[[], tuple[bytes, list[int]]]
+    # Headers the client sends beside the body (lower-case names), e.g. the tenants
+    # workload's fairness id and objective.
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class LabWorkload:
     sessions: Sequence[LabSession]
     # For `bench run`'s bounds (hit-rate ceiling): the generated workload, if any.
     source: Workload | None = None
+    # The tenants workload's burst window, in the sessions' arrival time.
+    burst_window_s: tuple[float, float] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -211,14 +216,24 @@ def from_workload(workload: Workload, words: Words) -> LabWorkload:
     def turn(t: Turn) -> LabTurn:
         length = sum(len(c.split(" ")) - 1 for _, c in t.messages)
         return LabTurn(
-            t.max_tokens, length, lambda: (_body(t.messages, t.max_tokens), builder.ids(t.messages))
+            t.max_tokens,
+            length,
+            lambda: (_body(t.messages, t.max_tokens), builder.ids(t.messages)),
+            t.headers,
         )
 
     sessions = [
         LabSession(s.id, s.group, [turn(t) for t in s.turns], s.arrival_s, s.think_s)
         for s in workload.sessions
     ]
-    return LabWorkload(workload.name, workload.params, sessions, workload)
+    window = workload.params.get("burst_window")
+    return LabWorkload(
+        workload.name,
+        workload.params,
+        sessions,
+        workload,
+        burst_window_s=(float(window[0]), float(window[1])) if window else None,
+    )
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ per output token, the RAG workload and bad input."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from bench.__main__ import main
 from bench.lab.epp import Delays
 from bench.lab.loop import EventLoop
 from bench.lab.pod import LabPod
-from bench.lab.run import FleetSpec, LabOptions, LabRun, run_lab
+from bench.lab.run import FleetSpec, LabOptions, LabRun, Routed, run_lab
 from bench.lab.workload import LabSession, LabTurn, LabWorkload
 from bench.workloads import Words, WorkloadSpec, default_tokenizer_dir, rag
 from epp.clock import VirtualClock
@@ -46,8 +46,15 @@ class Fixed:
     def on_events(self, pod: LabPod, events: Sequence[KVEvent]) -> None:
         pass
 
-    def route(self, request_id: str, body: bytes, prompt: Sequence[int]) -> tuple[LabPod, Any]:
-        return self.decode, request_id
+    def route(
+        self,
+        request_id: str,
+        body: bytes,
+        prompt: Sequence[int],
+        headers: Mapping[str, str],
+        done: Callable[[Routed], None],
+    ) -> None:
+        done((self.decode, request_id))
 
     def prefill_pod(self, handle: Any) -> LabPod | None:
         return self.prefill

@@ -1,0 +1,325 @@
+"""What a run of the tenants workload says about flow control (docs/flow-control.md,
+"Measured"): per objective (priority), TTFT and what became of the requests; per
+tenant, its throughput during the burst against its fair share; Jain's fairness
+index between the tenants; the controller's peak queue.
+
+- **Served / shed / failed**: served, the response ended; shed, the router answered
+  429 or 503 itself (flow control's bound or TTL, or the detector's admission with
+  flow control off); failed, anything else (an engine error, a refusal without a
+  status). The lab checks that they add up to the requests sent.
+- **Throughput during the burst**: the output tokens the engines produced for the
+  tenant within the burst window, over the window's length (each served request's
+  tokens spread evenly from its first token to its last: a response that spans the
+  window's edge counts for the part inside); offered, the output tokens asked for
+  by the tenant's requests sent in the window. Tokens rather than completed
+  requests, since a response lasts seconds under load and the window is not much
+  longer.
+- **Fair share** (max-min): the window's total served throughput split so that no
+  tenant gets more than it offered and the rest is shared equally (water-filling).
+  With the bursty tenant offering five times its share, the steady tenant's fair
+  share is what it offered, or half the total if that is less.
+- **Jain's index** over the tenants' throughput each divided by its fair share:
+  (Σx)² / (n Σx²), 1.0 when every tenant gets exactly its fair share, 1/n when one
+  gets everything. `jain_raw` is the same over the raw throughputs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from bench.client import Record
+from bench.stats import ci95, percentile
+from bench.workloads import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, OBJECTIVE_MIX, TENANTS
+
+Sent = tuple[Record, tuple[tuple[str, str], ...], float | None]
+"""A request's record, its headers, and when the router answered it (None: never)."""
+
+
+def fair_shares(demands: dict[str, float], total: float) -> dict[str, float]:
+    """Max-min fair split of `total` among demands (water-filling)."""
+    shares = dict.fromkeys(demands, 0.0)
+    left = total
+    open_ = sorted(demands, key=lambda k: (demands[k], k))
+    while open_ and left > 1e-12:
+        equal = left / len(open_)
+        smallest = open_[0]
+        if demands[smallest] <= equal:
+            shares[smallest] = demands[smallest]
+            left -= demands[smallest]
+            open_.pop(0)
+            continue
+        for name in open_:
+            shares[name] = equal
+        left = 0.0
+        break
+    return shares
+
+
+def jain(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    square = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * square) if square > 0 else None
+
+
+def _tokens_within(record: Record, start: float, end: float) -> float:
+    """The record's output tokens produced within [start, end), spread evenly from
+    its first token to its last."""
+    if not record.ok or record.ttft_s is None or record.e2e_s is None:
+        return 0.0
+    tokens = record.output_tokens or 0
+    first = record.scheduled_s + record.ttft_s
+    last = record.scheduled_s + record.e2e_s
+    if last <= first:
+        return float(tokens) if start <= first < end else 0.0
+    inside = max(0.0, min(last, end) - max(first, start))
+    return tokens * inside / (last - first)
+
+
+def tenants_summary(
+    sent: Sequence[Sent],
+    window: tuple[float, float] | None,
+    router: dict[str, Any],
+    output_len: int,
+) -> dict[str, Any]:
+    """One run's flow-control figures (see the module docstring); `router` is the
+    router's `describe()` (the controller's peak queue, when it has one)."""
+    objectives = [name for name, _ in OBJECTIVE_MIX]
+    by_objective: dict[str, Any] = {}
+    for objective in objectives:
+        mine = [(r, routed) for r, h, routed in sent if dict(h).get(OBJECTIVE_HEADER) == objective]
+        ttfts = sorted(r.ttft_s for r, _ in mine if r.ok and r.ttft_s is not None)
+        waits = sorted(routed - r.scheduled_s for r, routed in mine if r.ok and routed is not None)
+        by_objective[objective] = {
+            "sent": len(mine),
+            "served": sum(1 for r, _ in mine if r.ok),
+            "shed": sum(1 for r, _ in mine if _is_shed(r)),
+            "failed": sum(1 for r, _ in mine if not r.ok and not _is_shed(r)),
+            "ttft_p50_s": percentile(ttfts, 0.50),
+            "ttft_p90_s": percentile(ttfts, 0.90),
+            "ttft_p99_s": percentile(ttfts, 0.99),
+            "queue_wait_p90_s": percentile(waits, 0.90),
+            "queue_wait_max_s": waits[-1] if waits else None,
+            "waited": sum(1 for w in waits if w > 0),
+        }
+    by_tenant: dict[str, Any] = {}
+    start, end = window if window is not None else (0.0, 0.0)
+    length = end - start
+    for tenant in TENANTS:
+        theirs = [r for r, h, _ in sent if dict(h).get(FAIRNESS_ID_HEADER) == tenant]
+        offered = output_len * sum(1 for r in theirs if start <= r.scheduled_s < end)
+        served = sum(_tokens_within(r, start, end) for r in theirs)
+        by_tenant[tenant] = {
+            "sent": len(theirs),
+            "served": sum(1 for r in theirs if r.ok),
+            "shed": sum(1 for r in theirs if _is_shed(r)),
+            "offered_tokens_per_s_burst": offered / length if length > 0 else None,
+            "served_tokens_per_s_burst": served / length if length > 0 else None,
+        }
+    jain_fair = jain_raw = None
+    if length > 0:
+        total = sum(t["served_tokens_per_s_burst"] for t in by_tenant.values())
+        shares = fair_shares(
+            {k: t["offered_tokens_per_s_burst"] for k, t in by_tenant.items()}, total
+        )
+        for tenant, t in by_tenant.items():
+            share = shares[tenant]
+            t["fair_share_tokens_per_s_burst"] = share
+            t["of_fair_share"] = t["served_tokens_per_s_burst"] / share if share else None
+        ratios = [t["of_fair_share"] for t in by_tenant.values() if t["of_fair_share"] is not None]
+        jain_fair = jain(ratios)
+        jain_raw = jain([t["served_tokens_per_s_burst"] for t in by_tenant.values()])
+    records = [r for r, _, _ in sent]
+    out: dict[str, Any] = {
+        "sent": len(records),
+        "served": sum(1 for r in records if r.ok),
+        "shed": sum(1 for r in records if _is_shed(r)),
+        "failed": sum(1 for r in records if not r.ok and not _is_shed(r)),
+        "waited": sum(o["waited"] for o in by_objective.values()),
+        "burst_window_s": [start, end] if window is not None else None,
+        "jain_burst": jain_fair,
+        "jain_raw_burst": jain_raw,
+        "by_objective": by_objective,
+        "by_tenant": by_tenant,
+    }
+    assert out["served"] + out["shed"] + out["failed"] == out["sent"]
+    fc = router.get("flow_control")
+    if fc is not None:
+        out["flow_control"] = fc
+        if fc["queued_at_end"] or fc["picks_waiting_at_end"]:
+            raise RuntimeError(f"lab accounting: requests left in flow control at the end: {fc}")
+    return out
+
+
+def _is_shed(record: Record) -> bool:
+    return not record.ok and record.error is not None and record.error.startswith("shed:")
+
+
+def _mean(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    known = [float(v) for v in values if v is not None]
+    if not known or len(known) < len(values):
+        return None, None
+    return statistics.fmean(known), ci95(known)
+
+
+def over_seeds_tenants(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mean over seeds (and its 95% CI half-width, `<key>_ci95`) of each figure."""
+    out: dict[str, Any] = {}
+
+    def put(target: dict[str, Any], key: str, values: Sequence[Any]) -> None:
+        target[key], target[f"{key}_ci95"] = _mean(values)
+
+    for key in ("sent", "served", "shed", "failed", "waited", "jain_burst", "jain_raw_burst"):
+        put(out, key, [r[key] for r in runs])
+    out["by_objective"] = {}
+    for objective in runs[0]["by_objective"]:
+        part: dict[str, Any] = {}
+        for key in runs[0]["by_objective"][objective]:
+            put(part, key, [r["by_objective"][objective][key] for r in runs])
+        out["by_objective"][objective] = part
+    out["by_tenant"] = {}
+    for tenant in runs[0]["by_tenant"]:
+        part = {}
+        for key in runs[0]["by_tenant"][tenant]:
+            put(part, key, [r["by_tenant"][tenant][key] for r in runs])
+        out["by_tenant"][tenant] = part
+    fcs = [r.get("flow_control") for r in runs]
+    if all(fc is not None for fc in fcs):
+        out["flow_control"] = {
+            "queue_peak_max": max(fc["queue_peak"] for fc in fcs if fc),
+            "queue_peak_bytes_max": max(fc["queue_peak_bytes"] for fc in fcs if fc),
+            "dispatch_passes": sum(fc["dispatch_passes"] for fc in fcs if fc),
+            "timer_wakeups": sum(fc["timer_wakeups"] for fc in fcs if fc),
+            "timer_wakeups_with_empty_queue": sum(
+                fc["timer_wakeups_with_empty_queue"] for fc in fcs if fc
+            ),
+        }
+        put(out["flow_control"], "queue_peak", [fc["queue_peak"] for fc in fcs if fc])
+        put(out["flow_control"], "queue_peak_bytes", [fc["queue_peak_bytes"] for fc in fcs if fc])
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def _pm(part: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    value, ci = part.get(key), part.get(f"{key}_ci95")
+    if value is None:
+        return "-"
+    text = format(value * scale, spec)
+    return text if ci is None else f"{text} ± {format(ci * scale, spec)}"
+
+
+def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = None) -> list[str]:
+    """report.md's flow-control tables (mean ± 95% CI over seeds). `reference`: the
+    same policies' results from an unloaded run, for each objective's TTFT p90
+    ratio loaded / unloaded."""
+    with_tenants = {name: r["tenants"] for name, r in policies.items() if "tenants" in r}
+    if not with_tenants:
+        return []
+    lines = [
+        "## Flow control: objectives, tenants, the queue",
+        "",
+        "Per objective (priority critical 10, standard 0, batch -1 where the config"
+        " defines them): requests sent, served, shed (answered 429/503 by the EPP),"
+        " TTFT of the served ones from their arrival (queue wait included), and the"
+        " wait in the EPP's queue.",
+        "",
+        "| policy | objective | sent | served | shed | failed | TTFT p50 ms | TTFT p90 ms"
+        + (" | unloaded TTFT p90 ms | p90 loaded / unloaded" if reference else "")
+        + " | queue wait p90 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if reference else "") + "---:|",
+    ]
+    for name, t in with_tenants.items():
+        for objective, o in t["by_objective"].items():
+            extra = ""
+            if reference is not None:
+                base = reference.get(name, {}).get("tenants", {}).get("by_objective", {})
+                base_p90 = base.get(objective, {}).get("ttft_p90_s")
+                ratio = (
+                    o["ttft_p90_s"] / base_p90
+                    if base_p90 and o.get("ttft_p90_s") is not None
+                    else None
+                )
+                extra = (
+                    f" | {'-' if base_p90 is None else format(base_p90 * 1000, '.1f')}"
+                    f" | {'-' if ratio is None else format(ratio, '.2f')}"
+                )
+            lines.append(
+                f"| {name} | {objective} | {_pm(o, 'sent', '.0f')} | {_pm(o, 'served', '.0f')}"
+                f" | {_pm(o, 'shed', '.0f')} | {_pm(o, 'failed', '.0f')}"
+                f" | {_pm(o, 'ttft_p50_s', '.1f', 1000)} | {_pm(o, 'ttft_p90_s', '.1f', 1000)}"
+                f"{extra} | {_pm(o, 'queue_wait_p90_s', '.1f', 1000)} |"
+            )
+    lines += [
+        "",
+        "Per tenant, during the burst window: output tokens per second offered and"
+        " served, the max-min fair share of what was served, and served / fair share;"
+        " Jain's index over the tenants' served / fair share.",
+        "",
+        "| policy | tenant | offered tok/s | served tok/s | fair share tok/s | of fair share"
+        " | Jain's index |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, t in with_tenants.items():
+        for tenant, x in t["by_tenant"].items():
+            lines.append(
+                f"| {name} | {tenant} | {_pm(x, 'offered_tokens_per_s_burst', '.0f')}"
+                f" | {_pm(x, 'served_tokens_per_s_burst', '.0f')}"
+                f" | {_pm(x, 'fair_share_tokens_per_s_burst', '.0f')}"
+                f" | {_pm(x, 'of_fair_share', '.3f')} | {_pm(t, 'jain_burst', '.3f')} |"
+            )
+    lines += [
+        "",
+        "Every request, all seeds: served + shed + failed = sent (checked by the lab;"
+        " nothing is left in a queue at the end). The queue's peak is the largest over"
+        " the seeds; timer wake-ups with an empty queue would be work done while idle.",
+        "",
+        "| policy | sent | served | shed | failed | requests that waited | peak queue"
+        " | peak queue bytes | dispatch passes | timer wake-ups | ... with an empty queue |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, t in with_tenants.items():
+        fc = t.get("flow_control")
+        tail = (
+            f" | {fc['queue_peak_max']} | {fc['queue_peak_bytes_max']} | {fc['dispatch_passes']}"
+            f" | {fc['timer_wakeups']} | {fc['timer_wakeups_with_empty_queue']} |"
+            if fc
+            else " | - | - | - | - | - |"
+        )
+        lines.append(
+            f"| {name} | {_pm(t, 'sent', '.0f')} | {_pm(t, 'served', '.1f')}"
+            f" | {_pm(t, 'shed', '.1f')} | {_pm(t, 'failed', '.1f')} | {_pm(t, 'waited', '.0f')}"
+            + tail
+        )
+    return [*lines, ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.lab.tenants LOADED [UNLOADED]`: the flow-control tables of a
+    tenants run, with each objective's TTFT p90 against an unloaded run's."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.tenants", description=main.__doc__)
+    parser.add_argument("loaded", type=Path, metavar="LOADED", help="a tenants lab run's --out")
+    parser.add_argument(
+        "unloaded", type=Path, nargs="?", metavar="UNLOADED", help="the same at low load"
+    )
+    args = parser.parse_args(argv)
+    loaded = json.loads((args.loaded / "results.json").read_text(encoding="utf-8"))
+    reference = None
+    if args.unloaded is not None:
+        unloaded = json.loads((args.unloaded / "results.json").read_text(encoding="utf-8"))
+        reference = unloaded["policies"]
+    print("\n".join(report_lines(loaded["policies"], reference)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
