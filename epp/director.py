@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,22 +231,33 @@ class Director:
         return result
 
     async def pick_endpoint(
-        self, request: InferenceRequest, subset: Sequence[str] | None = None
+        self,
+        request: InferenceRequest,
+        subset: Sequence[str] | None = None,
+        *,
+        on_wait: Callable[[], object] | None = None,
     ) -> Decision:
         """Choose where `request` goes and account for it as in flight there.
 
-        Raises an `EppError` (503 nothing available, 429 everything filtered out)."""
+        Raises an `EppError` (503 nothing available, 429 everything filtered out).
+        `on_wait`: called if the request is queued by flow control (the controller's
+        `admit`), never otherwise; cancelling the caller then takes it out of the
+        queue."""
         config = self.config
         self._retain(config)
         try:
-            return await self._pick(config, request, subset)
+            return await self._pick(config, request, subset, on_wait)
         except BaseException:
             # Cancelled or refused before a decision: nothing will finish it.
             self._release(config)
             raise
 
     async def _pick(
-        self, config: SchedulingConfig, request: InferenceRequest, subset: Sequence[str] | None
+        self,
+        config: SchedulingConfig,
+        request: InferenceRequest,
+        subset: Sequence[str] | None,
+        on_wait: Callable[[], object] | None,
     ) -> Decision:
         candidates = self.candidates(subset)
         cycle = CycleState()
@@ -259,7 +270,11 @@ class Director:
         # Waits while the pool is saturated; cancelled with the stream, the request
         # leaves its queue at once.
         item = await controller.admit(
-            request.request_id, priority, fairness_id_of(request), len(request.body)
+            request.request_id,
+            priority,
+            fairness_id_of(request),
+            len(request.body),
+            on_wait=on_wait,
         )
         try:
             # Late binding: the pool as it is now, not as it was when the request came.

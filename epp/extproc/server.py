@@ -1,11 +1,45 @@
 """The ext_proc gRPC service (grpc.aio): one coroutine per stream, one stream per
-HTTP request."""
+HTTP request.
+
+Reading Envoy's messages. The stream's coroutine reads one message, hands it to
+its `RequestStream`, sends the replies, and only then reads the next: while a
+message is handled nothing reads the stream. One exception, while a request waits
+in flow control's queue (the controller's `admit` says when, through `on_wait`):
+then one read runs ahead, in a task of its own, so that the EPP sees Envoy end the
+stream while the request waits. Envoy's graceful close (the runtime flag
+`ext_proc_graceful_grpc_close`, on in the shipped configs) first half-closes the
+stream when the client hangs up, and resets it only after its remote close
+timeout (1 s); a half-close is only seen by a read. So:
+
+- the read ahead ends with the end of the stream while the request still waits:
+  the client is gone. The waiting coroutine is cancelled (the request leaves its
+  queue at once, counted `cancelled`), nothing is answered, and the RPC ends with
+  status OK, which is what Envoy's graceful close waits for;
+- it brings a message instead: the message is kept, and handed to the stream
+  after the current one, in order. No other read starts before then (Envoy is
+  held back by gRPC's flow control as before; a client leaving after that is
+  seen at Envoy's reset);
+- the wait ends first (the request is dispatched and routed): the read ahead is
+  simply the next read, as it would have been;
+- the stream is over once the request leaves the queue (shed at its TTL, or its
+  pick failed): the EPP waits for that read to end (Envoy half-closes once it has
+  the ImmediateResponse) before it ends the RPC, so no read is pending when the
+  status goes (below), for at most `_READ_AHEAD_END_WAIT_S`.
+
+Requests that do not wait (flow control off, or dispatched at once) read exactly
+as before: one read at a time, from the stream's own coroutine, never while a
+message is handled. That matters for memory: a reset that meets a pending read
+makes grpc.aio (up to 1.85 at least) leak the read's operation array
+(docs/reliability.md, "Ending ext_proc streams").
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Final
 
 import grpc
 
@@ -70,10 +104,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 break
             return
         self.active += 1
-        stream = RequestStream(self.director, self.settings, self.telemetry, self.tracker)
+        messages = _Messages(request_iterator)
+        stream = RequestStream(
+            self.director, self.settings, self.telemetry, self.tracker, on_wait=messages.read_ahead
+        )
         try:
-            async for message in request_iterator:
-                for reply in await stream.handle(message):
+            while (message := await messages.next()) is not None:
+                messages.handling = True
+                try:
+                    replies = await stream.handle(message)
+                except asyncio.CancelledError:
+                    if messages.client_gone():
+                        # Envoy half-closed the stream while the request waited
+                        # in flow control: the client hung up. The wait was
+                        # cancelled (the request left its queue); end the RPC.
+                        return
+                    raise
+                finally:
+                    messages.handling = False
+                for reply in replies:
                     yield reply
                 if stream.over:
                     # End the RPC here rather than wait for Envoy to: Envoy ends a
@@ -81,7 +130,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     # and a reset that meets a pending read makes grpc.aio (up to
                     # 1.85 at least) leak the read's operation array, and then the
                     # status it sends on the cancelled call: about 110 bytes a
-                    # request of native memory that is never freed.
+                    # request of native memory that is never freed. (Only a read
+                    # started while the request waited can be pending here: let
+                    # it end first, see the module's docstring.)
+                    await messages.settle()
                     return
         finally:
             self.active -= 1
@@ -108,6 +160,88 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self._warned_at = now
             self._refused_logged = self.refused
         return m.immediate_response(error)
+
+
+# How long a stream that is over waits for a read started while its request was
+# queued to end before the RPC ends anyway: above Envoy's remote close timeout
+# (1 s), though Envoy half-closes within milliseconds of the EPP's answer.
+_READ_AHEAD_END_WAIT_S: Final = 2.0
+
+# Reads running ahead, kept alive until they end (asyncio holds tasks weakly).
+_reads_ahead: set[asyncio.Task[pb.ProcessingRequest | None]] = set()
+
+
+class _Messages:
+    """Envoy's messages on one stream, in order; None at the stream's end.
+
+    `next` reads as `async for` would, from the stream's own coroutine. While the
+    request waits in flow control, `read_ahead` starts one read in a task of its
+    own; `next` returns its result first. See the module's docstring."""
+
+    __slots__ = ("_ahead", "_gone", "_iterator", "_task", "handling")
+
+    def __init__(self, request_iterator: AsyncIterator[pb.ProcessingRequest]) -> None:
+        self._iterator = aiter(request_iterator)
+        self._ahead: asyncio.Task[pb.ProcessingRequest | None] | None = None
+        self._task: asyncio.Task[object] | None = None  # the stream's coroutine's task
+        self.handling = False  # a message is being handled: the server sets it
+        self._gone = False  # the stream ended while the request waited: its task cancelled
+
+    async def next(self) -> pb.ProcessingRequest | None:
+        ahead = self._ahead
+        if ahead is not None:
+            self._ahead = None
+            return await ahead
+        try:
+            return await anext(self._iterator)
+        except StopAsyncIteration:
+            return None
+
+    async def _read(self) -> pb.ProcessingRequest | None:
+        try:
+            return await anext(self._iterator)
+        except StopAsyncIteration:
+            return None
+
+    def read_ahead(self) -> None:
+        """The request is about to wait in flow control (called from the stream's
+        task, inside `handle`): read the stream meanwhile."""
+        if self._ahead is not None or not self.handling:
+            return
+        self._task = asyncio.current_task()
+        ahead = self._ahead = asyncio.get_running_loop().create_task(self._read())
+        _reads_ahead.add(ahead)
+        ahead.add_done_callback(self._ahead_done)
+
+    def _ahead_done(self, ahead: asyncio.Task[pb.ProcessingRequest | None]) -> None:
+        _reads_ahead.discard(ahead)
+        # A message waits for `next`, and so does an error (`exception()` marks it
+        # retrieved, so nothing is logged if the stream ends before `next`).
+        if ahead.cancelled() or ahead.exception() is not None or ahead.result() is not None:
+            return
+        # The end of the stream. While the message is still being handled (the
+        # request waits, or is being picked) the stream's task is suspended inside
+        # `handle`, so the cancellation lands there; once `handle` has returned,
+        # `next` returns the end as any read would.
+        if self.handling and self._task is not None and not self._task.done():
+            self._gone = True
+            self._task.cancel()
+
+    def client_gone(self) -> bool:
+        """Whether a cancellation of the stream's task is this class's own (the
+        stream ended while the request waited), and nothing else cancelled it
+        too; consumes the cancellation."""
+        if not self._gone or self._task is None:
+            return False
+        self._gone = False
+        return self._task.uncancel() == 0
+
+    async def settle(self) -> None:
+        """Let a read still running ahead end (Envoy half-closes a stream it no
+        longer wants), for at most `_READ_AHEAD_END_WAIT_S`."""
+        ahead = self._ahead
+        if ahead is not None and not ahead.done():
+            await asyncio.wait((ahead,), timeout=_READ_AHEAD_END_WAIT_S)
 
 
 def add_to_server(server: grpc.aio.Server, processor: ExternalProcessor) -> None:

@@ -11,10 +11,12 @@
 With flow control on (docs/flow-control.md), routing may wait: the director
 holds the request in its priority band until capacity frees, while the stream
 stays in its request phase and Envoy waits for the reply (its ext_proc
-`message_timeout` must cover the queue's TTL). If the client goes away, Envoy
-resets the stream, the waiting coroutine is cancelled and the request leaves its
-queue at once; if flow control sheds it, the client gets an ImmediateResponse
-(429/503 with Retry-After).
+`message_timeout` must cover the queue's TTL). The director calls the stream's
+`on_wait` when the request is queued: the server then reads the stream while it
+waits, so when the client goes away Envoy's half-close (or its reset) cancels the
+waiting coroutine and the request leaves its queue at once (epp/extproc/server.py).
+If flow control sheds it, the client gets an ImmediateResponse (429/503 with
+Retry-After).
 
 FULL_DUPLEX_STREAMED (GIE's mode): nothing is answered until the request body has
 ended; then come the request-headers reply carrying the decision and the body,
@@ -51,6 +53,7 @@ import enum
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -106,8 +109,12 @@ class RequestStream:
         settings: StreamSettings,
         telemetry: Telemetry,
         tracker: CompletionTracker,
+        on_wait: Callable[[], object] | None = None,
     ) -> None:
+        """`on_wait`: called if the request is queued by flow control while it is
+        routed (the server then watches the stream for the client leaving)."""
         self.director = director
+        self.on_wait = on_wait
         self.settings = settings
         self.telemetry = telemetry
         self.tracker = tracker
@@ -297,7 +304,7 @@ class RequestStream:
             body=body,
             body_seen=body_seen,
         )
-        decision = await self.director.pick_endpoint(request, self.subset)
+        decision = await self.director.pick_endpoint(request, self.subset, on_wait=self.on_wait)
         self.decision = decision
         self.phase = Phase.RESPONSE_HEADERS
         if self.lean:

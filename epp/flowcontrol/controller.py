@@ -195,12 +195,21 @@ class FlowController:
     # -- the request's side ------------------------------------------------------------
 
     async def admit(
-        self, request_id: str, priority: int, flow_id: str, byte_size: int
+        self,
+        request_id: str,
+        priority: int,
+        flow_id: str,
+        byte_size: int,
+        *,
+        on_wait: Callable[[], object] | None = None,
     ) -> QueueItem:
         """Wait until the request may be scheduled; the dispatched item, to be handed
         to `picked` once its pick is over (whatever its result). Raises a
         `FlowControlRejected` when the request is shed. Cancelling the caller takes
-        the request out of its queue at once."""
+        the request out of its queue at once. `on_wait` is called, from the caller's
+        task, when the request is queued rather than dispatched at once (not at all
+        otherwise): the ext_proc server then watches its stream for the client
+        leaving (epp/extproc/server.py)."""
         now = self.clock()
         band = self._band(priority)
         why = band.fits(byte_size) or self._global_room(byte_size)
@@ -228,6 +237,11 @@ class FlowController:
         self._pass()
         if _state(item) is ItemState.DISPATCHED:
             return item
+        if on_wait is not None:
+            try:
+                on_wait()
+            except Exception:
+                log.exception("the caller's on_wait hook failed")
         try:
             await future
         except asyncio.CancelledError:

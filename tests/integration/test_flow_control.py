@@ -117,10 +117,13 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue(stack: Stack) 
                 post(stack, "/v1/completions", {"model": "m", "prompt": "second"})
             )
             await wait_queued(stack, 1)
-            # The client hangs up: Envoy resets the ext_proc stream, and the request
-            # leaves its queue without ever reaching an upstream.
+            # The client hangs up: Envoy half-closes the ext_proc stream (its
+            # graceful close), which the EPP reads while the request waits, and the
+            # request leaves its queue at once, without ever reaching an upstream.
             held.cancel()
+            left = asyncio.get_running_loop().time()
             await wait_queued(stack, 0)
+            assert asyncio.get_running_loop().time() - left < 0.2
             cancelled = await metric(
                 stack,
                 "epp_flow_control_requests_total",

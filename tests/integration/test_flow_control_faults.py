@@ -55,6 +55,9 @@ from tests.integration.upstream import NAME_HEADER, Upstreams
 TTL_S = 3.0
 # Envoy's envoy.filters.http.ext_proc.remote_close_timeout_milliseconds default.
 REMOTE_CLOSE_TIMEOUT_S = 1.0
+# A queued request whose client hung up is out of the queue within this (measured:
+# 10-40 ms, the metric's polling included).
+QUEUE_LEAVE_S = 0.2
 SELECT_HEADER = "test-epp-endpoint-selection"  # header-based-testing-filter
 FALLBACK = "pool_fallback"
 
@@ -486,11 +489,11 @@ async def test_a_client_that_leaves_leaves_the_queue_in_either_body_mode(stack: 
         left = time.monotonic()
         await wait_queued(stack, 0)
         # Envoy ends the ext_proc stream gracefully (ext_proc_graceful_grpc_close):
-        # a half-close, which the EPP, waiting on the queue, does not read; then a
-        # reset once its remote close timeout (1 s by default) has passed, which
-        # cancels the wait. So the request leaves the queue about 1 s after its
-        # client, not at once (without the flag: within tens of milliseconds).
-        assert time.monotonic() - left < REMOTE_CLOSE_TIMEOUT_S + 1.0
+        # a half-close, and a reset only after its remote close timeout (1 s by
+        # default). The EPP reads the stream while a request waits, so the
+        # half-close takes the request out of the queue at once, well before the
+        # reset (it took about 1 s when the EPP waited for the reset).
+        assert time.monotonic() - left < QUEUE_LEAVE_S < REMOTE_CLOSE_TIMEOUT_S
         assert await metric(stack, "epp_flow_control_requests_total", labels) == before + 2
     assert len(stack.completions("up-0")) == 1  # neither reached the upstream
 

@@ -202,6 +202,54 @@ async def test_ttl_with_no_endpoint_left_is_a_503() -> None:
     assert ("retry-after", "5") in info.value.response_headers
 
 
+async def test_on_wait_is_called_only_for_a_request_that_is_queued() -> None:
+    """The hook the ext_proc server watches its stream by: called from the caller's
+    task, once, when the request is queued; never for one dispatched at once."""
+    rig = make_rig()
+    calls: list[asyncio.Task[object] | None] = []
+
+    def on_wait() -> None:
+        calls.append(asyncio.current_task())
+
+    passed = asyncio.get_running_loop().create_task(
+        rig.controller.admit("a", 0, "default-flow", 1, on_wait=on_wait)
+    )
+    await settle()
+    assert passed.done()
+    assert calls == []
+    rig.controller.picked(passed.result())
+    hold(rig)
+    waiting = asyncio.get_running_loop().create_task(
+        rig.controller.admit("b", 0, "default-flow", 1, on_wait=on_wait)
+    )
+    await settle()
+    assert calls == [waiting]
+    assert rig.controller.queued == 1
+    waiting.cancel()
+    await settle()
+    assert rig.controller.queued == 0
+    release(rig)
+
+
+async def test_a_failing_on_wait_hook_does_not_strand_the_request() -> None:
+    rig = make_rig()
+    hold(rig)
+
+    def on_wait() -> None:
+        raise RuntimeError("broken hook")
+
+    waiting = asyncio.get_running_loop().create_task(
+        rig.controller.admit("a", 0, "default-flow", 1, on_wait=on_wait)
+    )
+    await settle()
+    assert rig.controller.queued == 1
+    release(rig)
+    await settle()
+    assert waiting.done()
+    rig.controller.picked(waiting.result())
+    assert rig.controller.queued == 0
+
+
 async def test_a_cancelled_request_leaves_its_queue_at_once() -> None:
     rig = make_rig()
     hold(rig)
