@@ -77,6 +77,15 @@ def add_run_parser(commands: Any) -> None:
     )
     run.add_argument("--pods", type=int, default=8, help="simulated pods")
     run.add_argument(
+        "--prefill-pods",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a prefill/decode fleet: pods 0..N-1 get the llm-d.ai/role prefill, the others"
+        " decode (labels in the EPP's endpoints file; P/D configs such as llm-d-pd use them,"
+        " other policies ignore them); 0: no roles (docs/disaggregation.md)",
+    )
+    run.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -123,7 +132,13 @@ def add_run_parser(commands: Any) -> None:
 
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     from bench.client import Arrivals
-    from bench.runner import RunOptions, resolve_policy, run_benchmark, unique_names
+    from bench.runner import (
+        RunOptions,
+        check_prefill_pods,
+        resolve_policy,
+        run_benchmark,
+        unique_names,
+    )
     from bench.workloads import spec_from_args, tokenizer_from_arg
 
     try:
@@ -136,6 +151,14 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     if args.burst < 1:
         print("error: --burst must be at least 1", file=sys.stderr)
+        return 2
+    if args.pods < 1:
+        print("error: --pods must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        check_prefill_pods(args.prefill_pods, args.pods)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.burst > 1 and args.rate is None and args.rates is None:
         print("error: --burst shapes Poisson arrivals: give --rate or --rates", file=sys.stderr)
@@ -177,6 +200,7 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         progress=not args.no_progress and sys.stderr.isatty(),
         command="python -m bench " + shlex.join(argv),
         repeats=args.repeats,
+        prefill_pods=args.prefill_pods,
     )
     try:
         document = run_benchmark(options)

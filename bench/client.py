@@ -37,10 +37,16 @@ the latency from the send is TTFT - lag. The scheduled time is:
 
 Per request: TTFT = until the first chunk carrying answer text (the chat role chunk
 has none), end-to-end = until `data: [DONE]`, both from the scheduled time, measured
-in wall time and divided by the time scale; output and cached tokens from the usage
-chunk; the pod from the `x-sim-pod` response header (None when a router does not pass
-it on); the status and, for a failure, what failed: an HTTP status, a connection
-error, a timeout, or a stream that ended without `[DONE]`.
+in wall time and divided by the time scale; the last chunk carrying answer text
+(`last_token_s`, from the scheduled time too), and from it the time per output
+token, TPOT = (last token - first token) / (output tokens - 1) (`Record.tpot_s`; None
+for an answer of one token, which has no gap); output and cached tokens from the
+usage chunk; the pod from the `x-sim-pod` response header (None when a router does
+not pass it on); for a prefill/decode fleet, the prefill pod the router named for
+the request (`prefill_pod`: the `x-prefiller-host-port` the EPP set, which the
+benchmark's Envoy echoes back as `x-bench-prefiller`; None when the request was
+served whole); the status and, for a failure, what failed: an HTTP status, a
+connection error, a timeout, or a stream that ended without `[DONE]`.
 """
 
 from __future__ import annotations
@@ -145,9 +151,40 @@ class Record:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     output_tokens: int | None = None
+    # Simulated seconds from the scheduled time to the last chunk carrying answer text.
+    last_token_s: float | None = None
+    # The prefill pod of a disaggregated request (the `x-prefiller-host-port` the
+    # EPP set, echoed by Envoy as PREFILLER_ECHO_HEADER; the runner turns the address
+    # into the pod's name); None when the request was served whole, or unknown.
+    prefill_pod: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last token - first token) /
+        (output tokens - 1), simulated seconds; None without two tokens to time."""
+        return tpot(self.ttft_s, self.last_token_s, self.output_tokens)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "tpot_s": self.tpot_s}
+
+
+# The response header the benchmark's Envoy adds with the request's
+# `x-prefiller-host-port` (bench/stack.py `echo_prefiller_header`).
+PREFILLER_ECHO_HEADER = "x-bench-prefiller"
+
+
+def tpot(
+    first_token_s: float | None, last_token_s: float | None, output_tokens: int | None
+) -> float | None:
+    """TPOT, the mean inter-token latency of one answer: the time from its first to
+    its last token over the gaps between them, (last - first) / (tokens - 1), as
+    vLLM's benchmark and the lab (bench/lab/run.py) compute it. None when the answer
+    has fewer than two tokens or a time is missing."""
+    if first_token_s is None or last_token_s is None or output_tokens is None:
+        return None
+    if output_tokens < 2:
+        return None
+    return max(0.0, last_token_s - first_token_s) / (output_tokens - 1)
 
 
 class _StreamError(Exception):
@@ -169,12 +206,14 @@ async def _stream(
     async with http.post(url, data=body, headers=headers, timeout=timeout) as response:
         record.status = response.status
         record.pod = response.headers.get("x-sim-pod")
+        record.prefill_pod = response.headers.get(PREFILLER_ECHO_HEADER) or None
         if response.status != 200:
             text = (await response.read())[:200].decode(errors="replace")
             raise _StreamError(f"http {response.status}: {text.strip()}")
         pending = b""
         done = False
         first: float | None = None
+        last: float | None = None
         usage: dict[str, Any] | None = None
         async for chunk in response.content.iter_any():
             pending += chunk
@@ -185,12 +224,10 @@ async def _stream(
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     done = True
-                elif first is None and b'"content"' in data:
-                    event = json.loads(data)
-                    for choice in event.get("choices") or ():
-                        if (choice.get("delta") or {}).get("content"):
-                            first = time.perf_counter()
-                            break
+                elif b'"content"' in data and _has_text(data):
+                    last = time.perf_counter()
+                    if first is None:
+                        first = last
                 if b'"usage"' in data and data != b"[DONE]":
                     event = json.loads(data)
                     if event.get("usage"):
@@ -200,6 +237,8 @@ async def _stream(
             raise _StreamError("stream ended without [DONE]")
         if first is not None:
             record.ttft_s = (first - started) / scale
+        if last is not None:
+            record.last_token_s = (last - started) / scale
         record.e2e_s = (end - started) / scale
         if usage is not None:
             record.prompt_tokens = usage.get("prompt_tokens")
@@ -208,6 +247,13 @@ async def _stream(
             record.cached_tokens = details.get("cached_tokens")
         if first is None and (record.output_tokens or 0) > 0:
             raise _StreamError("no answer text in the stream")
+
+
+def _has_text(data: bytes) -> bool:
+    """Whether a chat chunk's delta carries answer text (the role chunk's content is
+    empty). Parsed as JSON, so any spelling of an empty content counts as empty."""
+    event = json.loads(data)
+    return any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ())
 
 
 async def send(

@@ -41,6 +41,13 @@ def _ci(result: dict[str, Any], key: str, spec: str, unit: str = "") -> str:
     return f"{text} ± {format(half, spec)}{unit}"
 
 
+def _ms(result: dict[str, Any], key: str, spec: str = ".2f") -> str:
+    """A time in seconds shown in milliseconds, with its 95% half-width if any."""
+    value, half = result.get(key), result.get(f"{key}_ci95")
+    text = _fmt(None if value is None else 1000 * value, spec)
+    return text if half is None or text == "-" else f"{text} ± {format(1000 * half, spec)}"
+
+
 def _lag(result: dict[str, Any]) -> str:
     keys = ("client_lag_p50_s", "client_lag_p99_s", "client_lag_max_s")
     return " / ".join(_ci(result, key, ".3f") for key in keys)
@@ -59,28 +66,83 @@ def _status(result: dict[str, Any]) -> str:
 def table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
     oracle = document["oracle"]
     lines = [
-        "| policy | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | throughput (req/s)"
+        "| policy | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s)"
+        " | TPOT p50 (ms) | TPOT p90 (ms) | throughput (req/s)"
         " | output tok/s | requests | errors | max/mean load"
-        " | client lag p50 / p99 / max (s) | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        " | sim lag max (s) | client lag p50 / p99 / max (s) | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in policies.items():
         lines.append(
             f"| {name} | {_ci(r, 'hit_rate', '.3f')} | {_ci(r, 'ttft_p50_s', '.3f')}"
             f" | {_ci(r, 'ttft_p90_s', '.3f')} | {_ci(r, 'ttft_p99_s', '.3f')}"
+            f" | {_ms(r, 'tpot_p50_s')} | {_ms(r, 'tpot_p90_s')}"
             f" | {_ci(r, 'throughput_rps', '.2f')} | {_ci(r, 'output_tokens_per_s', ',.0f')}"
             f" | {_fmt(r['requests'], 'g')} | {_ci(r, 'errors', 'g')}"
-            f" | {_ci(r, 'max_over_mean_load', '.2f')} | {_lag(r)} | {_status(r)} |"
+            f" | {_ci(r, 'max_over_mean_load', '.2f')} | {_ci(r, 'sim_lag_max_s', '.3f')}"
+            f" | {_lag(r)} | {_status(r)} |"
         )
+    empty = " |" * 14
     lines.append(
-        f"| *bound h\\* (one copy per prefix, infinite cache)* | {oracle['h_star']:.3f}"
-        " | | | | | | | | | | |"
+        f"| *bound h\\* (one copy per prefix, infinite cache)* | {oracle['h_star']:.3f}{empty}"
     )
     lines.append(
         f"| *h_random (uniform random over {oracle['pods']} pods, infinite caches)*"
-        f" | {oracle['h_random']:.3f} | | | | | | | | | | |"
+        f" | {oracle['h_random']:.3f}{empty}"
     )
     return lines
+
+
+def _names(start: int, stop: int) -> str:
+    return ", ".join(f"`sim-{i}`" for i in range(start, stop))
+
+
+def pd_table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
+    """A prefill/decode fleet: per policy, which requests were disaggregated (from
+    the responses) and what the pods counted (`/sim/state` `pd`)."""
+    prefill_pods = document["setup"].get("prefill_pods") or 0
+    if not prefill_pods:
+        return []
+    pods = document["setup"]["pods"]
+    lines = [
+        "## Prefill/decode",
+        "",
+        f"Prefill pods (llm-d.ai/role prefill): {_names(0, prefill_pods)}; decode pods:"
+        f" {_names(prefill_pods, pods)}. *Disaggregated*: requests the"
+        " EPP sent with `x-prefiller-host-port` (Envoy echoes it into the response);"
+        " *prefill legs*: what the pods' sidecars sent and the prefill pods served;"
+        " *KV transfers*: blocks the decode pods pulled (mean simulated time);"
+        " *fallbacks*: prefill legs that failed and were prefilled on the decode pod."
+        " Policies without a P/D profile handler ignore the roles and serve every"
+        " request whole, on any pod. The hit rate above counts both legs' lookups, and"
+        " tokens pulled from a prefill pod are not hits; requests per pod count the"
+        " prefill legs too.",
+        "",
+        "| policy | disaggregated | prefill legs sent / served | KV transfers (mean ms)"
+        " | fallbacks | TTFT p50 / p90 (s) disaggregated | whole"
+        " | TPOT p50 / p90 (ms) disaggregated | whole |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in policies.items():
+        if r.get("pd_prefill_legs_served") is None:
+            continue
+        share = r.get("pd_disaggregated_share")
+        shown = _ci(r, "pd_disaggregated", "g")
+        if share is not None:
+            shown += f" ({share:.0%})"
+        lines.append(
+            f"| {name} | {shown}"
+            f" | {_ci(r, 'pd_prefill_legs_sent', 'g')} / {_ci(r, 'pd_prefill_legs_served', 'g')}"
+            f" | {_ci(r, 'pd_kv_transfers', 'g')} ({_ms(r, 'pd_kv_transfer_mean_s')})"
+            f" | {_ci(r, 'pd_fallbacks', 'g')}"
+            f" | {_ci(r, 'pd_ttft_p50_disaggregated_s', '.3f')}"
+            f" / {_ci(r, 'pd_ttft_p90_disaggregated_s', '.3f')}"
+            f" | {_ci(r, 'pd_ttft_p50_whole_s', '.3f')} / {_ci(r, 'pd_ttft_p90_whole_s', '.3f')}"
+            f" | {_ms(r, 'pd_tpot_p50_disaggregated_s')}"
+            f" / {_ms(r, 'pd_tpot_p90_disaggregated_s')}"
+            f" | {_ms(r, 'pd_tpot_p50_whole_s')} / {_ms(r, 'pd_tpot_p90_whole_s')} |"
+        )
+    return [*lines, ""]
 
 
 def ladder_table(document: dict[str, Any]) -> list[str]:
@@ -126,6 +188,13 @@ def _repeats_text(document: dict[str, Any], repeats: int) -> list[str]:
     return [*lines, ""]
 
 
+def _roles(setup: dict[str, Any]) -> str:
+    prefill = setup.get("prefill_pods") or 0
+    if not prefill:
+        return ""
+    return f"; prefill/decode: {prefill} prefill, {setup['pods'] - prefill} decode"
+
+
 def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
     setup = document["setup"]
     workload = document["workload"]
@@ -147,7 +216,7 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
         "",
         f"- workload: `{workload['name']}` ({params}): {workload['requests']} requests,"
         f" {workload['prompt_tokens']:,} prompt tokens",
-        f"- fleet: {setup['pods']} simulated vLLM pods (`python -m sim`), time scale"
+        f"- fleet: {setup['pods']} simulated vLLM pods (`python -m sim`{_roles(setup)}), time scale"
         f" {setup['time_scale']:g} (wall seconds per simulated second), KV blocks of"
         f" {setup['block_size']} tokens, {setup['num_gpu_blocks'] or 'default'} blocks per pod,"
         f" tokenizer {Path(setup['tokenizer']).name}; every policy starts on a fresh fleet",
@@ -162,7 +231,9 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
         " turn, the previous answer's end plus think time; in closed loop, when the"
         " client slot became free), not from when the client got round to sending it;"
         " the client lag (sent - scheduled) shows how far the client itself fell behind."
-        " TTFT percentiles are over successful requests;"
+        " TTFT percentiles are over successful requests; TPOT (time per output token) is"
+        " each answer's (last token - first token) / (output tokens - 1), its percentiles"
+        " over the successful requests of two tokens or more;"
         " errors are counted separately, and a policy is marked FAILED when its run did"
         f" not complete or more than {setup['max_error_rate']:.0%} of its requests failed.",
         "",
@@ -199,6 +270,7 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
                 )
     if warnings:
         lines += ["Warnings:", "", *warnings, ""]
+    lines += pd_table(document, document["policies"])
     if len(document["ladder"]) > 1:
         lines += ["## Load ladder", "", *ladder_table(document), ""]
     load = document["policies"]

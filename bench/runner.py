@@ -41,8 +41,9 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, TypeGuard
@@ -51,7 +52,7 @@ import yaml
 from tqdm import tqdm
 
 from bench.bounds import Bounds, compute_bounds
-from bench.client import Arrivals, Record, RunTiming, drive
+from bench.client import PREFILLER_ECHO_HEADER, Arrivals, Record, RunTiming, drive
 from bench.peers import PeerKind, ensure_peer_venv, parse_peer, start_peer
 from bench.provenance import portable_path, provenance
 from bench.stack import (
@@ -59,6 +60,7 @@ from bench.stack import (
     EppPorts,
     ManagedProcess,
     ProcessFailed,
+    echo_request_header,
     envoy_config,
     free_port,
     start_envoy,
@@ -71,6 +73,8 @@ from epp.sources.metrics import read_series
 
 CONFIG_DIR = ROOT / "manifests" / "config"
 MODEL = "sim-model"
+# The header the EPP names a disaggregated request's prefill pod in.
+PREFILLER_HEADER = "x-prefiller-host-port"
 
 
 # -- policies ------------------------------------------------------------------------------
@@ -161,6 +165,12 @@ class RunOptions:
     command: str = ""
     # Runs of every policy per rung, each from cold, the order alternating.
     repeats: int = 1
+    # A prefill/decode fleet: pods 0..prefill_pods-1 get the llm-d.ai/role `prefill`,
+    # the others `decode` (`python -m sim fleet --prefill-pods`); 0: no roles.
+    prefill_pods: int = 0
+
+    def __post_init__(self) -> None:
+        check_prefill_pods(self.prefill_pods, self.pods)
 
     def epp_flags(self) -> list[str]:
         """`epp serve`'s flags: the simulator's model gets the pods' own tokenizer
@@ -175,7 +185,20 @@ class RunOptions:
             args += ["--tokenizer", str(self.tokenizer)]
         if self.num_gpu_blocks is not None:
             args += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
+        if self.prefill_pods:
+            args += ["--prefill-pods", str(self.prefill_pods)]
         return args + list(self.sim_args)
+
+
+def check_prefill_pods(prefill_pods: int, pods: int) -> None:
+    """ValueError unless 0 <= prefill_pods < pods: a P/D fleet needs a decode pod."""
+    if prefill_pods < 0:
+        raise ValueError(f"--prefill-pods must be 0 (no roles) or more, not {prefill_pods}")
+    if prefill_pods and prefill_pods >= pods:
+        raise ValueError(
+            f"--prefill-pods must be fewer than --pods ({pods}): a prefill/decode fleet"
+            f" needs at least one decode pod, and {prefill_pods} prefill pods leave none"
+        )
 
 
 # -- the pods' counters --------------------------------------------------------------------------
@@ -191,18 +214,32 @@ class PodCounters:
     requests: int = 0
     lag_s: float = 0.0
     busy_s: float = 0.0
+    # Prefill/decode disaggregation, from `/sim/state`'s `pd` (docs/disaggregation.md):
+    # the pod's llm-d.ai/role (None: no label), the prefill legs it served, the
+    # decode legs it served, the prefill legs its sidecar sent (one per request the
+    # EPP disaggregated to it), the KV transfers it pulled (count, simulated seconds,
+    # bytes) and the prefill legs that failed, by reason (then prefilled here).
+    role: str | None = None
+    prefill_legs_served: int = 0
+    decode_legs_served: int = 0
+    prefill_legs_sent: int = 0
+    kv_transfers: int = 0
+    kv_transfer_s: float = 0.0
+    kv_transfer_bytes: float = 0.0
+    fallbacks: tuple[tuple[str, int], ...] = ()
 
     def minus(self, before: PodCounters) -> PodCounters:
-        return PodCounters(
-            self.queries - before.queries,
-            self.hits - before.hits,
-            self.prompt_tokens - before.prompt_tokens,
-            self.generation_tokens - before.generation_tokens,
-            self.preemptions - before.preemptions,
-            self.requests - before.requests,
-            self.lag_s - before.lag_s,
-            self.busy_s - before.busy_s,
-        )
+        changed: dict[str, Any] = {}
+        for f in fields(self):
+            value, old = getattr(self, f.name), getattr(before, f.name)
+            if f.name == "role":
+                changed[f.name] = value
+            elif f.name == "fallbacks":
+                was = dict(old)
+                changed[f.name] = tuple((k, n - was.get(k, 0)) for k, n in value)
+            else:
+                changed[f.name] = value - old
+        return PodCounters(**changed)
 
 
 METRICS = {
@@ -237,11 +274,21 @@ def _get(url: str) -> bytes:
 
 def read_counters(address: str) -> PodCounters:
     values = parse_counters(_get(f"http://{address}/metrics"))
-    state = json.loads(_get(f"http://{address}/sim/state"))["counters"]
+    document = json.loads(_get(f"http://{address}/sim/state"))
+    state = document["counters"]
+    pd = document.get("pd") or {}
     return PodCounters(
         requests=int(state["requests"]),
         lag_s=float(state["lagSeconds"]),
         busy_s=float(state["busySeconds"]),
+        role=document.get("role"),
+        prefill_legs_served=int(pd.get("prefillLegsServed", 0)),
+        decode_legs_served=int(pd.get("decodeLegsServed", 0)),
+        prefill_legs_sent=int(pd.get("prefillLegsSent", 0)),
+        kv_transfers=int(pd.get("kvTransfers", 0)),
+        kv_transfer_s=float(pd.get("kvTransferSeconds", 0.0)),
+        kv_transfer_bytes=float(pd.get("kvTransferBytes", 0.0)),
+        fallbacks=tuple(sorted((str(k), int(n)) for k, n in (pd.get("fallbacks") or {}).items())),
         **values,
     )
 
@@ -260,6 +307,7 @@ def summarize(
     ok = [r for r in records if r.ok]
     errors = [r for r in records if not r.ok]
     ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    tpots = sorted(t for r in ok if (t := r.tpot_s) is not None)
     e2e = sorted(r.e2e_s for r in ok if r.e2e_s is not None)
     duration = timing.duration_s(time_scale)
     hits = sum(c.hits for c in counters.values())
@@ -297,6 +345,9 @@ def summarize(
         "ttft_p99_s": percentile(ttft, 0.99),
         "throughput_rps": len(ok) / duration if duration > 0 else None,
         "output_tokens_per_s": output_tokens / duration if duration > 0 else None,
+        "tpot_p50_s": percentile(tpots, 0.50),
+        "tpot_p90_s": percentile(tpots, 0.90),
+        "tpot_p99_s": percentile(tpots, 0.99),
         "requests": len(records),
         "errors": len(errors),
         "max_over_mean_load": max(load.values()) / mean_load if mean_load > 0 else None,
@@ -324,11 +375,75 @@ def summarize(
         "client_lag_p50_s": percentile(client_lag, 0.50),
         "client_lag_p99_s": percentile(client_lag, 0.99),
         "client_lag_max_s": client_lag[-1] if client_lag else None,
+        **pd_summary(records, counters),
+    }
+
+
+def pd_summary(records: Sequence[Record], counters: dict[str, PodCounters]) -> dict[str, Any]:
+    """A prefill/decode fleet's part of a result (nothing when no pod has a role):
+
+    - which requests were disaggregated, from each request's own response (the
+      prefill pod Envoy echoed, `Record.prefill_pod`): `pd_disaggregated`, its share
+      of the requests sent, and TTFT and TPOT p50/p90 of the disaggregated requests
+      and of those served whole (successful ones);
+    - what the pods counted (`/sim/state` `pd`): prefill legs their sidecars sent
+      (`pd_prefill_legs_sent`, one per disaggregated request that reached its decode
+      pod), prefill legs served (in all and per pod), decode legs served, KV
+      transfers pulled (count, mean simulated seconds, bytes), and prefill legs that
+      failed and were prefilled on the decode pod instead (`pd_fallbacks`, by reason).
+    """
+    if not any(c.role is not None for c in counters.values()):
+        return {}
+    sent = [r for r in records if r.sent_s is not None]
+    split = [r for r in sent if r.prefill_pod is not None]
+    ok_split = [r for r in split if r.ok]
+    ok_whole = [r for r in sent if r.ok and r.prefill_pod is None]
+    fallbacks: dict[str, int] = {}
+    for c in counters.values():
+        for reason, count in c.fallbacks:
+            fallbacks[reason] = fallbacks.get(reason, 0) + count
+    transfers = sum(c.kv_transfers for c in counters.values())
+    transfer_s = sum(c.kv_transfer_s for c in counters.values())
+
+    def pct(rs: Sequence[Record], key: str, q: float) -> float | None:
+        return percentile((v for r in rs if (v := getattr(r, key)) is not None), q)
+
+    return {
+        "pd_prefill_pods": sorted(n for n, c in counters.items() if c.role == "prefill"),
+        "pd_disaggregated": len(split),
+        "pd_disaggregated_share": len(split) / len(sent) if sent else None,
+        "pd_prefill_pods_named": dict(Counter(str(r.prefill_pod) for r in split)),
+        "pd_ttft_p50_disaggregated_s": pct(ok_split, "ttft_s", 0.50),
+        "pd_ttft_p90_disaggregated_s": pct(ok_split, "ttft_s", 0.90),
+        "pd_ttft_p50_whole_s": pct(ok_whole, "ttft_s", 0.50),
+        "pd_ttft_p90_whole_s": pct(ok_whole, "ttft_s", 0.90),
+        "pd_tpot_p50_disaggregated_s": pct(ok_split, "tpot_s", 0.50),
+        "pd_tpot_p90_disaggregated_s": pct(ok_split, "tpot_s", 0.90),
+        "pd_tpot_p50_whole_s": pct(ok_whole, "tpot_s", 0.50),
+        "pd_tpot_p90_whole_s": pct(ok_whole, "tpot_s", 0.90),
+        "pd_prefill_legs_sent": sum(c.prefill_legs_sent for c in counters.values()),
+        "pd_prefill_legs_served": sum(c.prefill_legs_served for c in counters.values()),
+        "pd_prefill_legs_per_pod": {n: c.prefill_legs_served for n, c in counters.items()},
+        "pd_decode_legs_served": sum(c.decode_legs_served for c in counters.values()),
+        "pd_kv_transfers": transfers,
+        "pd_kv_transfer_mean_s": transfer_s / transfers if transfers else None,
+        "pd_kv_transfer_bytes": sum(c.kv_transfer_bytes for c in counters.values()),
+        "pd_fallbacks": sum(fallbacks.values()),
+        "pd_fallbacks_by_reason": fallbacks,
     }
 
 
 def failed_result(reason: str, requests: int) -> dict[str, Any]:
-    keys = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_rps")
+    keys = (
+        "hit_rate",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "throughput_rps",
+        "tpot_p50_s",
+        "tpot_p90_s",
+        "tpot_p99_s",
+    )
     return {
         **dict.fromkeys(keys),
         "output_tokens_per_s": None,
@@ -477,10 +592,11 @@ def data_path(policy: Policy, options: RunOptions, workdir: Path) -> Iterator[Da
             epp = start_epp(endpoints, workdir, ports, policy.config, options.epp_flags())
             stack.callback(epp.stop)
             listen = free_port()
-            envoy = start_envoy(
-                envoy_config(listen_port=listen, epp_port=ports.grpc, admin_port=free_port()),
-                workdir,
-            )
+            config = envoy_config(listen_port=listen, epp_port=ports.grpc, admin_port=free_port())
+            if options.prefill_pods:
+                # Which requests the EPP disaggregated, in each response.
+                echo_request_header(config, PREFILLER_HEADER, PREFILLER_ECHO_HEADER)
+            envoy = start_envoy(config, workdir)
             stack.callback(envoy.stop)
             url = f"http://127.0.0.1:{listen}"
             epp_metrics: str | None = f"http://127.0.0.1:{ports.metrics}/metrics"
@@ -549,6 +665,10 @@ def run_policy(
     except (ProcessFailed, OSError, subprocess.CalledProcessError) as exc:
         return failed_result(f"{type(exc).__name__}: {exc}", workload.num_requests)
     counters = {name: after[name].minus(before[name]) for name in after}
+    names = {address: name for name, address in pods}
+    for record in records:
+        if record.prefill_pod is not None:
+            record.prefill_pod = names.get(record.prefill_pod, record.prefill_pod)
     with (workdir / "requests.jsonl").open("w") as out:
         for record in records:
             out.write(json.dumps(record.to_json()) + "\n")
@@ -643,6 +763,7 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
             "request_timeout_s": options.request_timeout_s,
             "max_error_rate": options.max_error_rate,
             "repeats": repeats,
+            "prefill_pods": options.prefill_pods,
         },
         "workload": {**workload.describe(), "prompt_tokens": bounds.prompt_tokens},
         "oracle": bounds.to_json(),
@@ -675,12 +796,25 @@ def _one_line(name: str, arrivals: Arrivals, result: dict[str, Any], tag: str = 
         f"  {name} ({where}): hit rate {_with_ci(result, 'hit_rate', '.3f')},"
         f" TTFT p50 {_with_ci(result, 'ttft_p50_s', '.3f')} s"
         f" p90 {_with_ci(result, 'ttft_p90_s', '.3f')} s,"
+        f" TPOT p50 {_ms(result, 'tpot_p50_s')} ms p90 {_ms(result, 'tpot_p90_s')} ms,"
         f" {_with_ci(result, 'throughput_rps', '.2f')} req/s, errors {_fmt(result['errors'], 'g')},"
         f" sim lag {_fmt(result.get('sim_lag_max_s'), '.2f')} s,"
         f" client lag p50 {_fmt(result.get('client_lag_p50_s'), '.3f')} s"
         f" p99 {_fmt(result.get('client_lag_p99_s'), '.3f')} s"
         f" max {_fmt(result.get('client_lag_max_s'), '.3f')} s"
     )
+    if result.get("pd_prefill_legs_served") is not None:
+        line += (
+            f", disaggregated {_fmt(result.get('pd_disaggregated'), 'g')}"
+            f" (prefill legs served {_fmt(result['pd_prefill_legs_served'], 'g')},"
+            f" fallbacks {_fmt(result.get('pd_fallbacks'), 'g')})"
+        )
     if result["status"] == "failed":
         line += f"  FAILED: {result['failure']}"
     return line
+
+
+def _ms(result: dict[str, Any], key: str) -> str:
+    value, ci = result.get(key), result.get(f"{key}_ci95")
+    text = _fmt(None if value is None else 1000 * value, ".2f")
+    return text if ci is None else f"{text} ± {1000 * ci:.2f}"

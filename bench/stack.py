@@ -254,6 +254,23 @@ def envoy_config(
     return config
 
 
+def echo_request_header(config: dict[str, Any], request_header: str, response_header: str) -> None:
+    """Have Envoy copy `request_header`, as the request went upstream (after the
+    EPP's header mutations), into the response as `response_header` on every
+    listener's routes; nothing is added when the request has no such header. The
+    benchmark uses it to learn which requests the EPP disaggregated
+    (`x-prefiller-host-port`) without touching the pods or the EPP."""
+    for listener in config["static_resources"]["listeners"]:
+        for host in _hcm(listener)["route_config"]["virtual_hosts"]:
+            for route in host["routes"]:
+                route.setdefault("response_headers_to_add", []).append(
+                    {
+                        "header": {"key": response_header, "value": f"%REQ({request_header})%"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                )
+
+
 FALLBACK_CLUSTER = "pool_fallback"
 
 

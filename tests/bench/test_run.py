@@ -231,8 +231,8 @@ def test_a_failed_policy_is_marked_failed_in_the_report(tmp_path: Path) -> None:
     write_outputs(document, tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert (
-        "| broken | - | - | - | - | - | - | 3 | 3 | - | - / - / - | **FAILED**: ProcessFailed"
-        in report
+        "| broken | - | - | - | - | - | - | - | - | 3 | 3 | - | - | - / - / - |"
+        " **FAILED**: ProcessFailed" in report
     )
     assert "| good | 0.500 |" in report
     assert json.loads((tmp_path / "results.json").read_text())["policies"]["broken"]["status"] == (
