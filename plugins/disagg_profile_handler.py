@@ -40,7 +40,11 @@ Where this handler differs from llm-d's, on purpose:
 
 The deciders are looked up by name among all the config's plugins, declared
 before or after this handler. The decisions, their reasons and numbers go to
-/debug/explain under this plugin's name in `notes`.
+/debug/explain under this plugin's name in `notes`; every routed request's outcome
+is counted in `epp_disagg_decision_total{plugin_name, plugin_type, model_name,
+decision_type}` (llm-d's labels and decision types: decode-only, prefill-decode,
+encode-decode, encode-prefill-decode, aggregated-fallback), at its pre-request
+step, so /debug/explain's dry runs do not count.
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
+from prometheus_client import Counter
 
 from epp.datastore import Endpoint
+from epp.promutil import shared
 from epp.requests import ENCODERS_HEADER, PREFILLER_HEADER, InferenceRequest
 from epp.scheduling import (
     CycleState,
@@ -69,6 +75,7 @@ log = logging.getLogger(__name__)
 DEFAULT_DECODE_PROFILE: Final = "decode"
 DEFAULT_PREFILL_PROFILE: Final = "prefill"
 DEFAULT_ENCODE_PROFILE: Final = "encode"
+DECISION_METRIC: Final = "epp_disagg_decision_total"
 DECODE_FIRST: Final = "decode-first"
 PREFILL_FIRST: Final = "prefill-first"
 # The parameters of llm-d's older pd-profile-handler, refused here with a hint.
@@ -134,7 +141,19 @@ class _Engine:
                 if fallback == profile:
                     raise ValueError(f"profiles.fallback must differ from profiles.{stage}")
         self.name = context.name
+        self.type_name = context.type_name
         self._plugins = context.plugins
+        registry = context.metrics
+        self._decisions = shared(
+            registry,
+            DECISION_METRIC,
+            lambda: Counter(
+                DECISION_METRIC,
+                "Routed requests by the stages a disaggregating profile handler gave them.",
+                ["plugin_name", "plugin_type", "model_name", "decision_type"],
+                registry=registry,
+            ),
+        )
         self.stage_order = stage_order
         self.decode = decode
         self.fallback = fallback
@@ -292,6 +311,26 @@ class _Engine:
         explain_note(cycle, self.name, note)
         return SchedulingResult(self.decode, used, headers)
 
+    def count(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        """Count a routed request's decision (llm-d's decision types)."""
+        used = result.profiles
+        if self.fallback and result.primary_profile == self.fallback:
+            decision = "aggregated-fallback"
+        else:
+            encode = self.encode.profile in used
+            prefill = self.prefill.profile in used
+            decision = (
+                "encode-prefill-decode"
+                if encode and prefill
+                else "encode-decode"
+                if encode
+                else "prefill-decode"
+                if prefill
+                else "decode-only"
+            )
+        model = request.target_model or request.model or "unknown"
+        self._decisions.labels(self.name, self.type_name, model, decision).inc()
+
     def _stage_note(
         self, stage: _Stage, cycle: CycleState, result: ProfileResult | None
     ) -> dict[str, Any]:
@@ -343,6 +382,12 @@ class _Handler:
         self, request: InferenceRequest, cycle: CycleState, results: Mapping[str, ProfileResult]
     ) -> SchedulingResult:
         return self.engine.process_results(request, cycle, results)
+
+    def pre_request(
+        self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
+    ) -> None:
+        if result.targets:
+            self.engine.count(request, result)
 
 
 class DisaggProfileHandler(_Handler):

@@ -8,6 +8,7 @@ clear errors for bad parameters; `always-disagg-multimodal-decider`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Mapping
@@ -19,9 +20,11 @@ import yaml
 from epp.plugins.always_disagg_multimodal_decider import AlwaysDisaggMultimodalDecider
 from epp.plugins.always_disagg_pd_decider import AlwaysDisaggPdDecider
 from epp.plugins.disagg_profile_handler import DisaggProfileHandler, PdProfileHandler
+from prometheus_client import CollectorRegistry
 
-from epp.config import InvalidConfig
-from epp.datastore import Endpoint
+from epp.config import InvalidConfig, load_config
+from epp.datastore import Datastore, Endpoint, EndpointSpec
+from epp.director import Director
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling import (
     EXPLAIN_NOTES,
@@ -31,7 +34,10 @@ from epp.scheduling import (
     ProfileResult,
     ScoredEndpoint,
 )
+from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.scheduler import Scheduler, SchedulerProfile, Slot
+from epp.scheduling.types import ResponseInfo
+from epp.telemetry import Telemetry
 from tests.plugins.helpers import context, make_endpoints, make_request
 from tests.plugins.llmd_helpers import load
 
@@ -413,3 +419,65 @@ def test_the_multimodal_decider_encodes_requests_with_media_only() -> None:
     )
     assert text.disaggregate is False
     assert decider.disaggregate(make_request(), CycleState(), None).disaggregate is False
+
+
+def test_routed_decisions_are_counted_and_explains_are_not() -> None:
+    """llm-d's decision counter: one per routed request, by the stages it got."""
+    datastore = Datastore()
+    datastore.replace_all(
+        [
+            EndpointSpec("decode-0", "10.0.0.1:8000", labels={"llm-d.ai/role": "decode"}),
+            EndpointSpec("prefill-0", "10.0.0.2:8000", labels={"llm-d.ai/role": "prefill"}),
+        ]
+    )
+    metrics = CollectorRegistry()
+    text = config(PREFILL).replace("always-disagg-pd-decider", "prefix-based-pd-decider")
+    text = text.replace(
+        "- type: prefix-based-pd-decider\n",
+        "- type: prefix-based-pd-decider\n  parameters: {nonCachedTokens: 100}\n",
+    )
+    # The decider reads the approximate producer's match.
+    text = text.replace("plugins:\n", "plugins:\n- type: approx-prefix-cache-producer\n", 1)
+    built = load_config(
+        text, PluginRegistry.from_entry_points(), datastore=datastore, metrics=metrics
+    )
+    director = Director(datastore, built, Telemetry(datastore))
+
+    def count(decision: str) -> float:
+        value = metrics.get_sample_value(
+            "epp_disagg_decision_total",
+            {
+                "plugin_name": "disagg-profile-handler",
+                "plugin_type": "disagg-profile-handler",
+                "model_name": "m",
+                "decision_type": decision,
+            },
+        )
+        return value or 0.0
+
+    def route(prompt: str) -> None:
+        request = parse_request(
+            request_id="r",
+            method="POST",
+            path="/v1/completions",
+            headers={},
+            body=msgspec.json.encode({"model": "m", "prompt": prompt}),
+        )
+        decision = asyncio.run(director.pick_endpoint(request))
+        director.finish(decision, ResponseInfo(completed=True))
+
+    route("short")
+    route("a long new document " * 100)
+    route("another long new document " * 100)
+    asyncio.run(
+        director.explain(
+            parse_request(
+                request_id="e",
+                method="POST",
+                path="/v1/completions",
+                headers={},
+                body=msgspec.json.encode({"model": "m", "prompt": "yet another " * 200}),
+            )
+        )
+    )
+    assert (count("decode-only"), count("prefill-decode")) == (1.0, 2.0)
