@@ -77,6 +77,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.settings = settings
         self.telemetry = telemetry
         self.tracker = tracker
+        # Reads running ahead (see the module docstring), kept alive until they end:
+        # asyncio holds tasks weakly, and such a read may outlive its stream's
+        # coroutine.
+        self.reads_ahead: set[asyncio.Task[pb.ProcessingRequest | None]] = set()
         self.max_streams = max_streams
         self.active = 0
         self.refused = 0
@@ -104,7 +108,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 break
             return
         self.active += 1
-        messages = _Messages(request_iterator)
+        messages = _Messages(request_iterator, self.reads_ahead)
         stream = RequestStream(
             self.director, self.settings, self.telemetry, self.tracker, on_wait=messages.read_ahead
         )
@@ -167,9 +171,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 # (1 s), though Envoy half-closes within milliseconds of the EPP's answer.
 _READ_AHEAD_END_WAIT_S: Final = 2.0
 
-# Reads running ahead, kept alive until they end (asyncio holds tasks weakly).
-_reads_ahead: set[asyncio.Task[pb.ProcessingRequest | None]] = set()
-
 
 class _Messages:
     """Envoy's messages on one stream, in order; None at the stream's end.
@@ -178,10 +179,15 @@ class _Messages:
     request waits in flow control, `read_ahead` starts one read in a task of its
     own; `next` returns its result first. See the module's docstring."""
 
-    __slots__ = ("_ahead", "_gone", "_iterator", "_task", "handling")
+    __slots__ = ("_ahead", "_gone", "_iterator", "_reads_ahead", "_task", "handling")
 
-    def __init__(self, request_iterator: AsyncIterator[pb.ProcessingRequest]) -> None:
+    def __init__(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        reads_ahead: set[asyncio.Task[pb.ProcessingRequest | None]],
+    ) -> None:
         self._iterator = aiter(request_iterator)
+        self._reads_ahead = reads_ahead  # the server's: keeps a read alive until it ends
         self._ahead: asyncio.Task[pb.ProcessingRequest | None] | None = None
         self._task: asyncio.Task[object] | None = None  # the stream's coroutine's task
         self.handling = False  # a message is being handled: the server sets it
@@ -210,11 +216,11 @@ class _Messages:
             return
         self._task = asyncio.current_task()
         ahead = self._ahead = asyncio.get_running_loop().create_task(self._read())
-        _reads_ahead.add(ahead)
+        self._reads_ahead.add(ahead)
         ahead.add_done_callback(self._ahead_done)
 
     def _ahead_done(self, ahead: asyncio.Task[pb.ProcessingRequest | None]) -> None:
-        _reads_ahead.discard(ahead)
+        self._reads_ahead.discard(ahead)
         # A message waits for `next`, and so does an error (`exception()` marks it
         # retrieved, so nothing is logged if the stream ends before `next`).
         if ahead.cancelled() or ahead.exception() is not None or ahead.result() is not None:
