@@ -515,7 +515,8 @@ class _WeightsCollector(Collector):
             "epp_ttft_model_weight",
             "The predicted-TTFT model's fitted weights (seconds per unit of each feature:"
             " fixed, queued seconds, thousands of uncached tokens, millions of attention"
-            " pairs, decoding requests).",
+            " pairs, decoding requests, waiting requests, thousands of tokens of KV cache"
+            " transferred).",
             labels=["plugin", "feature"],
         )
         for plugin, model in self._models.items():

@@ -42,7 +42,7 @@ two features move together (uncached tokens and attention pairs, on a workload
 whose prompts are alike), the fit trades one against the other, and dropping
 the negative side of the trade adds its share back to every prediction (measured
 on hot-prefix: +19% median bias, error p50 19% against 11% with the constrained
-weights). The update is O(k^2) for k = 6 features, the constraint O(k^2) per
+weights). The update is O(k^2) for k = 7 features, the constraint O(k^2) per
 negative weight: a few microseconds in Python.
 """
 

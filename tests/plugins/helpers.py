@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
 from prometheus_client import CollectorRegistry
 
 from epp.clock import SYSTEM_CLOCK, Clock
 from epp.datastore import Datastore, Endpoint, EndpointSpec
 from epp.requests import Api, InferenceRequest
 from epp.scheduling import PluginContext, ScoredEndpoint
+from sim.server import SimPod
 
 
 def context(name: str, clock: Clock = SYSTEM_CLOCK) -> PluginContext:
@@ -34,3 +39,20 @@ def make_request() -> InferenceRequest:
     return InferenceRequest(
         request_id="r", path="/v1/completions", method="POST", api=Api.COMPLETIONS, model="m"
     )
+
+
+def write_sim_endpoints(path: Path, pods: Mapping[str, SimPod]) -> Path:
+    """An endpoints file naming started simulator pods and their KV-event sockets."""
+    document = {
+        "endpoints": [
+            {
+                "name": name,
+                "address": f"127.0.0.1:{pod.port}",
+                "kvEvents": pod.kv_events_endpoint,
+                "kvEventsReplay": pod.replay_endpoint,
+            }
+            for name, pod in pods.items()
+        ]
+    }
+    path.write_text(yaml.safe_dump(document))
+    return path

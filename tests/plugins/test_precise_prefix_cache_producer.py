@@ -34,6 +34,7 @@ from epp.scheduling.types import ResponseInfo
 from epp.telemetry import Telemetry
 from epp.tokenization.service import PromptTokenization
 from epp.tokenization.tokens import token_bytes
+from tests.plugins.helpers import write_sim_endpoints
 from tests.testdata import load_json, qwen_dir
 
 MODEL = "hf-repo/model-name"
@@ -491,22 +492,7 @@ async def test_llm_d_sample_routes_on_simulated_vllm_pods_kv_events(tmp_path: Pa
             )
             await pod.start("127.0.0.1", 0)
             pods[name] = pod
-        endpoints = tmp_path / "endpoints.yaml"
-        endpoints.write_text(
-            yaml.safe_dump(
-                {
-                    "endpoints": [
-                        {
-                            "name": name,
-                            "address": f"127.0.0.1:{pod.port}",
-                            "kvEvents": pod.kv_events_endpoint,
-                            "kvEventsReplay": pod.replay_endpoint,
-                        }
-                        for name, pod in pods.items()
-                    ]
-                }
-            )
-        )
+        endpoints = write_sim_endpoints(tmp_path / "endpoints.yaml", pods)
         app = EppApp(
             local_options(
                 endpoints,

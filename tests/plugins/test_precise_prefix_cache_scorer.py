@@ -26,6 +26,7 @@ from epp.scheduling.types import ResponseInfo
 from sim.server import SimPod
 from sim.tokenizer import HFTokenizer, load_tokenizer
 from tests.epp.conftest import local_options
+from tests.plugins.helpers import write_sim_endpoints
 from tests.sim.conftest import pod_config
 from tests.testdata import hub_cache, qwen_dir
 
@@ -174,22 +175,7 @@ async def start_fleet(tmp_path: Path, qwen_sim: HFTokenizer) -> AsyncIterator[St
             await pod.start("127.0.0.1", 0)
             started.append(pod)
             pods[name] = pod
-        endpoints = tmp_path / f"endpoints-{len(apps)}.yaml"
-        endpoints.write_text(
-            yaml.safe_dump(
-                {
-                    "endpoints": [
-                        {
-                            "name": name,
-                            "address": f"127.0.0.1:{pod.port}",
-                            "kvEvents": pod.kv_events_endpoint,
-                            "kvEventsReplay": pod.replay_endpoint,
-                        }
-                        for name, pod in pods.items()
-                    ]
-                }
-            )
-        )
+        endpoints = write_sim_endpoints(tmp_path / f"endpoints-{len(apps)}.yaml", pods)
         app = EppApp(
             local_options(
                 endpoints,

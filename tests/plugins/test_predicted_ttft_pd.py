@@ -335,9 +335,15 @@ def test_a_pd_config_with_it_routes_and_explains_the_decision() -> None:
     handler = note["disagg-profile-handler"]
     assert handler["decider"] == "predicted-ttft-pd-decider"
     assert set(handler["facts"]) >= {"whole", "split", "streamDelayWeight"}
-    assert handler["decision"] is (
-        handler["facts"]["split"]["costMs"] < handler["facts"]["whole"]["costMs"]
-    )
+    # Nothing decodes on decode-0, so moving the prefill saves nothing and the
+    # transfer costs: served whole, and the facts say so.
+    facts = handler["facts"]
+    assert facts["split"]["prefill"] == "prefill-0"
+    assert facts["split"]["transferMs"] > 0
+    assert facts["split"]["costMs"] > facts["whole"]["costMs"]
+    assert handler["decision"] is False
+    assert handler["disaggregated"] is False
+    assert decision.result.request_headers == {}
     director.finish(decision, DONE)
 
 
