@@ -71,6 +71,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizerModel
 
+from epp.requests import LLMD_FAIRNESS_ID_HEADER, LLMD_OBJECTIVE_HEADER
 from sim.tokenizer import Tokenizer, answer_token_ids, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -408,8 +409,8 @@ def rag(
 
 
 # The tenants workload (flow control): its fixed shape.
-FAIRNESS_ID_HEADER = "x-llm-d-inference-fairness-id"
-OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+FAIRNESS_ID_HEADER = LLMD_FAIRNESS_ID_HEADER
+OBJECTIVE_HEADER = LLMD_OBJECTIVE_HEADER
 TENANTS = ("steady", "bursty")
 # Objectives and the share of each tenant's requests that carries each one; their
 # priorities are the config's (`inferenceObjectives` of manifests/config/flow-control.yaml:

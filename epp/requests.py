@@ -28,12 +28,21 @@ import msgspec
 
 from epp.errors import BadRequest
 
-# Request control headers (GIE's names). They steer the EPP and are removed before
-# the request goes upstream.
+# Request control headers. They steer the EPP and are removed before the request
+# goes upstream. The objective (its priority) and the fairness id (its flow) go by
+# llm-d's names and by GIE's older ones; llm-d's win when both are sent.
 MODEL_REWRITE_HEADER: Final = "x-gateway-model-name-rewrite"
 OBJECTIVE_HEADER: Final = "x-gateway-inference-objective"
 FAIRNESS_ID_HEADER: Final = "x-gateway-inference-fairness-id"
-CONTROL_HEADERS: Final = (MODEL_REWRITE_HEADER, OBJECTIVE_HEADER, FAIRNESS_ID_HEADER)
+LLMD_OBJECTIVE_HEADER: Final = "x-llm-d-inference-objective"
+LLMD_FAIRNESS_ID_HEADER: Final = "x-llm-d-inference-fairness-id"
+CONTROL_HEADERS: Final = (
+    MODEL_REWRITE_HEADER,
+    OBJECTIVE_HEADER,
+    FAIRNESS_ID_HEADER,
+    LLMD_OBJECTIVE_HEADER,
+    LLMD_FAIRNESS_ID_HEADER,
+)
 
 # Disaggregated serving (llm-d's contract with the sidecar on the decode pod): the
 # endpoint to run the prefill on, "ip:port", set by the EPP on a disaggregated pick;
@@ -380,8 +389,8 @@ def parse_request(
             prompt=prompt,
             headers=MappingProxyType(dict(headers)),
             body=body,
-            objective=headers.get(OBJECTIVE_HEADER),
-            fairness_id=headers.get(FAIRNESS_ID_HEADER),
+            objective=headers.get(LLMD_OBJECTIVE_HEADER) or headers.get(OBJECTIVE_HEADER),
+            fairness_id=(headers.get(LLMD_FAIRNESS_ID_HEADER) or headers.get(FAIRNESS_ID_HEADER)),
         )
 
     if not body_seen:

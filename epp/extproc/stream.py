@@ -63,7 +63,6 @@ from epp.director import Decision, Director
 from epp.errors import EppError, InternalError, PayloadTooLarge
 from epp.extproc import messages as m
 from epp.extproc.usage import UsageReader
-from epp.flowcontrol import FLOW_CONTROL_HEADERS
 from epp.logs import VERBOSE, request_id_var
 from epp.requests import CONTROL_HEADERS, EPP_SET_HEADERS, InferenceRequest, parse_request
 from epp.scheduling.types import ResponseInfo
@@ -324,9 +323,7 @@ class RequestStream:
         )
 
     def _headers_to_remove(self, decision: Decision, body_changed: bool = False) -> list[str]:
-        remove: list[str] = [
-            h for h in (*CONTROL_HEADERS, *FLOW_CONTROL_HEADERS) if h in self.headers
-        ]
+        remove: list[str] = [h for h in CONTROL_HEADERS if h in self.headers]
         # A client's copy of a header only the EPP sets; one the decision sets is
         # overwritten instead.
         remove += [

@@ -29,7 +29,6 @@ from epp.flowcontrol.errors import (
 )
 from epp.flowcontrol.headers import (
     DEFAULT_FLOW_ID,
-    FLOW_CONTROL_HEADERS,
     fairness_id_of,
     objective_of,
 )
@@ -47,7 +46,6 @@ from epp.flowcontrol.queue import Band, BandConfig, FlowQueue
 
 __all__ = [
     "DEFAULT_FLOW_ID",
-    "FLOW_CONTROL_HEADERS",
     "FLOW_CONTROL_POINTS",
     "Band",
     "BandConfig",

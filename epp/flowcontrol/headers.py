@@ -15,16 +15,13 @@ from typing import Final
 
 from epp.requests import InferenceRequest
 
-OBJECTIVE_HEADER: Final = "x-llm-d-inference-objective"
-FAIRNESS_ID_HEADER: Final = "x-llm-d-inference-fairness-id"
-# llm-d's names; GIE's (epp.requests) are read by the request parser already.
-FLOW_CONTROL_HEADERS: Final = (OBJECTIVE_HEADER, FAIRNESS_ID_HEADER)
 DEFAULT_FLOW_ID: Final = "default-flow"
 
 
 def objective_of(request: InferenceRequest) -> str | None:
-    return request.headers.get(OBJECTIVE_HEADER) or request.objective or None
+    """The request parser reads both header names (epp.requests)."""
+    return request.objective or None
 
 
 def fairness_id_of(request: InferenceRequest) -> str:
-    return request.headers.get(FAIRNESS_ID_HEADER) or request.fairness_id or DEFAULT_FLOW_ID
+    return request.fairness_id or DEFAULT_FLOW_ID

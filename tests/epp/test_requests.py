@@ -9,6 +9,7 @@ import pytest
 
 from epp.errors import BadRequest
 from epp.requests import (
+    CONTROL_HEADERS,
     FAIRNESS_ID_HEADER,
     MODEL_REWRITE_HEADER,
     OBJECTIVE_HEADER,
@@ -633,3 +634,38 @@ def test_rewritten_request_round_trip() -> None:
     again = parse(CHAT, rewrite_model(req.body, req.target_model))
     assert again.model == "b"
     assert again.prompt == req.prompt
+
+
+@pytest.mark.parametrize(
+    ("headers", "objective", "fairness_id"),
+    [
+        ({}, None, None),
+        (
+            {"x-gateway-inference-objective": "gie", "x-gateway-inference-fairness-id": "a"},
+            "gie",
+            "a",
+        ),
+        (
+            {
+                "x-gateway-inference-objective": "gie",
+                "x-llm-d-inference-objective": "llmd",
+                "x-gateway-inference-fairness-id": "a",
+                "x-llm-d-inference-fairness-id": "b",
+            },
+            "llmd",
+            "b",
+        ),
+    ],
+)
+def test_objective_and_fairness_id_by_llm_ds_names_or_gies(
+    headers: dict[str, str], objective: str | None, fairness_id: str | None
+) -> None:
+    parsed = parse_request(
+        request_id="r",
+        method="POST",
+        path="/v1/completions",
+        headers=headers,
+        body=b'{"model": "m", "prompt": "p"}',
+    )
+    assert (parsed.objective, parsed.fairness_id) == (objective, fairness_id)
+    assert set(headers) <= set(CONTROL_HEADERS)  # removed before going upstream

@@ -15,7 +15,7 @@ from epp.plugins.utilization_detector import UtilizationDetector
 from epp.clock import VirtualClock
 from epp.datastore import EndpointMetrics
 from epp.flowcontrol import FlowQueue, QueueItem
-from epp.requests import Api, InferenceRequest
+from epp.requests import InferenceRequest, parse_request
 from epp.scheduling import CycleState, NoParameters, ResponseInfo, SchedulingResult
 from epp.scheduling.types import Usage
 from tests.plugins.helpers import context, make_endpoints
@@ -49,12 +49,12 @@ def test_global_strict_takes_the_earliest_head() -> None:
 
 
 def request(fairness_id: str) -> InferenceRequest:
-    return InferenceRequest(
+    return parse_request(
         request_id="r",
-        path="/v1/completions",
         method="POST",
-        api=Api.COMPLETIONS,
+        path="/v1/completions",
         headers={"x-llm-d-inference-fairness-id": fairness_id},
+        body=b'{"model": "m", "prompt": "p"}',
     )
 
 
