@@ -58,9 +58,12 @@ unit: install $(XDS_VENV)/.installed
 test: lint typecheck unit
 
 # The load ladder through real Envoy (docs/reliability.md, "Ending ext_proc
-# streams"): minutes, not part of `make test`.
+# streams") and the full-length reproduction of the crash it fixed (streams that
+# outlive Envoy's default 50 s client idle time): minutes, not part of `make test`.
 stress: install
 	$(PY) -m tests.perf.envoy_ladder --out out/envoy-ladder
+	EPP_STRESS=1 $(VENV)/bin/pytest tests/integration/test_envoy_stream_end.py \
+	  -k past-the-default-idle-time
 
 demo: install
 	$(PY) -m bench demo
