@@ -325,7 +325,7 @@ class PrecisePrefixCacheProducer:
             },
         )
         cycle.put(self._match, found)
-        cycle.put(self._info_key, match_info(found, self.service.config.block_size))
+        cycle.put(self._info_key, match_info(found, self.service))
 
     # -- PreRequest -----------------------------------------------------------------------
 

@@ -46,14 +46,15 @@ from epp.scheduling import (
 )
 
 
-def match_info(found: PromptMatch, block_size: int) -> PrefixMatchInfo:
+def match_info(found: PromptMatch, service: PrecisePrefixService) -> PrefixMatchInfo:
     """A precise match as llm-d's PrefixCacheMatchInfo, for `prefix-cache-scorer`
     (and whatever else reads a prefix producer's match)."""
     return PrefixMatchInfo(
         found.considered_blocks,
-        block_size,
+        service.config.block_size,
         {e: found.score(e) * found.considered_blocks for e in found.slots},
         found.prompt_blocks,
+        continues=service.continues(found),
     )
 
 
@@ -101,7 +102,7 @@ class PrecisePrefixCacheScorer:
         cycle.put(self._match, found)
         # The same match as llm-d's PrefixCacheMatchInfo, for `prefix-cache-scorer`
         # with `prefixMatchInfoProducerName: <this plugin's name>`.
-        cycle.put(prefix_match_key(self.name), match_info(found, self.service.config.block_size))
+        cycle.put(prefix_match_key(self.name), match_info(found, self.service))
 
     # -- Scorer ---------------------------------------------------------------------------
 

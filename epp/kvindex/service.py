@@ -8,7 +8,8 @@ by a plugin), started and stopped by the server, read by plugins:
                                                           (or `feed`, for tests and the lab)
     request --> lookup_request: tokenize as the engine will, key the blocks, walk the index
             --> PromptMatch: per candidate endpoint, the share of the prompt it holds
-    the pick --> record_pick: speculative entries until the engine's events arrive
+    the pick --> record_pick: speculative entries until the engine's events arrive,
+                 and where the routed prompt ended (`continues`)
 
 Who may mutate what: the subscriber (or `feed`) writes the index; `record_pick`
 writes speculative entries; lookups only read. Everything runs on one event loop;
@@ -28,12 +29,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from prometheus_client.registry import Collector
+from xxhash import xxh3_64_intdigest
 
 from epp.clock import SYSTEM_CLOCK, Clock
 from epp.datastore import Datastore, Endpoint
@@ -57,6 +60,15 @@ from epp.tokenization.models import (
     TokenizerSource,
 )
 from epp.tokenization.prompts import Unsupported, prompt_tokens, token_id_prompt
+
+# Routed prompts whose end is remembered for `continues`: the most recent ones (a
+# digest and a dict slot each, about 100 bytes), as the approximate index keeps them.
+MAX_PROMPT_ENDS: Final = 65_536
+# First turns over one system prompt share the anchor at its end: this many of
+# their lengths (in blocks) are kept per anchor, the most recent; a conversation
+# whose first question's length has dropped out is not told apart (a few
+# microseconds per lookup: one digest of a short tail per length).
+MAX_TAILS_PER_ANCHOR: Final = 32
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +344,11 @@ class PrecisePrefixService:
             self.max_blocks = config.max_prefix_blocks_to_match
         self.external_tokens = external_tokens
         self.stats = LookupStats()
+        # Where each routed prompt ended (record_pick, `_mark_end`): a digest of its
+        # last blocks, seeded with the last key its lookup computed.
+        self._prompt_ends: OrderedDict[int, None] = OrderedDict()
+        # anchor key -> the tail lengths (blocks) of the prompts anchored there
+        self._end_anchors: dict[int, tuple[int, ...]] = {}
         self._log_once = LogOnce(log)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -461,6 +478,7 @@ class PrecisePrefixService:
         checker = self.precise.checker
         if checker is not None and match.n_blocks and checker.wants_probe():
             self._probe(found, endpoint)
+        self._mark_end(found)
         if speculative is None or not match.n_blocks:
             return
         streams = self.precise.streams(endpoint)
@@ -478,6 +496,59 @@ class PrecisePrefixService:
             stop * bb,
             match.n_blocks * bb,
         )
+
+    def continues(self, found: PromptMatch) -> bool:
+        """Whether the prompt is an earlier routed prompt plus more (a conversation's
+        next turn, an agent's next step), held by some candidate through that
+        prompt's end. The engines cache the answers too, so the match runs on past
+        where the earlier prompt ended; another conversation over the same system
+        prompt shares only blocks that end no routed prompt."""
+        ends = self._prompt_ends
+        deepest = max(found.match.blocks.values(), default=0)
+        if not ends or not deepest:
+            return False
+        anchors = self._end_anchors
+        data = found.blocks.data
+        bb = found.blocks.block_bytes
+        for i, key in enumerate(found.match.keys[:deepest]):
+            tails = anchors.get(key)
+            if not tails:
+                continue
+            start = (i + 1) * bb
+            for tail in tails:
+                if i + 1 + tail <= deepest and (
+                    xxh3_64_intdigest(data[start : start + tail * bb], seed=key) in ends
+                ):
+                    return True
+        return False
+
+    def _mark_end(self, found: PromptMatch) -> None:
+        """Remember where the routed prompt ended, without hashing its blocks: the
+        last key the lookup computed (the anchor) and a digest of the prompt's
+        full blocks after it. A later prompt that passes through the anchor and
+        has the same bytes after it continues this one. Not when the cap cut the
+        prompt (its end is not known here)."""
+        keys = found.match.keys
+        if not keys or found.considered_blocks < found.prompt_blocks:
+            return
+        anchor = min(found.match.stop, len(keys) - 1)  # where a later walk computes keys
+        tail = found.considered_blocks - 1 - anchor
+        bb = found.blocks.block_bytes
+        start = (anchor + 1) * bb
+        end = xxh3_64_intdigest(found.blocks.data[start : start + tail * bb], seed=keys[anchor])
+        ends = self._prompt_ends
+        ends[end] = None
+        ends.move_to_end(end)
+        # Conversations over one system prompt share its anchor: a few tail lengths
+        # are kept per anchor, the most recent.
+        tails = self._end_anchors.pop(keys[anchor], ())
+        self._end_anchors[keys[anchor]] = (tail, *(t for t in tails if t != tail))[
+            :MAX_TAILS_PER_ANCHOR
+        ]
+        if len(ends) > MAX_PROMPT_ENDS:
+            ends.popitem(last=False)
+        if len(self._end_anchors) > MAX_PROMPT_ENDS:
+            del self._end_anchors[next(iter(self._end_anchors))]
 
     def _probe(self, found: PromptMatch, endpoint: Endpoint) -> None:
         """Expect the key of the prompt's probe block in `endpoint`'s events."""

@@ -18,11 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from epp.app import EppApp
 from epp.cli import build_parser, serve_options
 from epp.config import InvalidConfig, load_config
+from epp.datastore import Endpoint
+from epp.director import Decision
 from epp.kvindex.service import PrecisePrefixService
 from epp.requests import parse_request
 from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
-from epp.scheduling.types import ResponseInfo
+from epp.scheduling.types import PrefixMatchInfo, ResponseInfo, prefix_match_key
 from sim.server import SimPod
 from sim.tokenizer import HFTokenizer, load_tokenizer
 from tests.epp.conftest import local_options
@@ -86,20 +88,27 @@ class Fleet:
         async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
             assert response.status == 200, await response.text()
 
-    async def pick(
-        self, body: dict[str, Any], path: str = "/v1/chat/completions"
-    ) -> tuple[str, dict[str, float]]:
-        """Route a request through the EPP's director (as the ext_proc stream does):
-        the pod's name and the prefix scores."""
+    async def route(self, body: dict[str, Any], path: str = "/v1/chat/completions") -> Decision:
+        """Route a request through the EPP's director, as the ext_proc stream does."""
         request = parse_request(
             request_id="t", method="POST", path=path, headers={}, body=msgspec.json.encode(body)
         )
         director = self.app.director
         decision = await director.pick_endpoint(request)
         director.finish(decision, ResponseInfo(completed=True))
-        scores = decision.result.profiles["default"].scores["prefix"]
+        return decision
+
+    def name_of(self, endpoint: Endpoint) -> str:
         by_address = {e.address: e.name for e in self.app.datastore.all_endpoints()}
-        return by_address[decision.endpoint.address], {e.name: s for e, s in scores.items()}
+        return by_address[endpoint.address]
+
+    async def pick(
+        self, body: dict[str, Any], path: str = "/v1/chat/completions"
+    ) -> tuple[str, dict[str, float]]:
+        """The pod a request is routed to, and the prefix scores."""
+        decision = await self.route(body, path)
+        scores = decision.result.profiles["default"].scores["prefix"]
+        return self.name_of(decision.endpoint), {self.name_of(e): s for e, s in scores.items()}
 
     async def debug(self) -> dict[str, dict[str, Any]]:
         async with (
@@ -220,6 +229,42 @@ async def test_a_request_whose_prefix_is_cached_on_b_goes_to_b(start_fleet: Star
     _, scores = await fleet.pick(chat("hello", system="A different assistant altogether. " * 40))
     assert set(scores.values()) == {0.0}
     assert await fleet.metric("epp_precise_prefix_lookups_total", {"result": "hit"}) == 3
+
+
+async def test_a_conversations_next_turn_continues_it_another_conversation_does_not(
+    start_fleet: StartFleet,
+) -> None:
+    """The predicted-TTFT model's session rule reads `continues` from the precise
+    match: a prompt that passes through the end of an earlier routed prompt."""
+    fleet = await start_fleet(config())
+
+    def continues(decision: Decision) -> bool:
+        info = decision.cycle.get(prefix_match_key("prefix"))
+        assert isinstance(info, PrefixMatchInfo)
+        return info.continues
+
+    question = "Which of your travel guides covers the coast of Portugal in winter? " * 3
+    first = chat(question)
+    routed = await fleet.route(first)
+    assert not continues(routed)  # nothing routed before it
+    pod = fleet.name_of(routed.endpoint)
+    await fleet.send(pod, first)  # the engine serves it and caches its blocks
+    await fleet.wait_blocks(pod, at_least=40)
+
+    messages = [
+        *first["messages"],
+        {"role": "assistant", "content": "The winter edition of our Iberia guide does."},
+        {"role": "user", "content": "Is it in stock in paperback?"},
+    ]
+    next_turn = await fleet.route({**first, "messages": messages})
+    assert fleet.name_of(next_turn.endpoint) == pod
+    assert continues(next_turn)
+
+    # Another conversation over the same system prompt, held on the same pod: a
+    # shared prefix, not a continuation.
+    other = await fleet.route(chat("Do you ship signed first editions abroad? " * 3))
+    assert fleet.name_of(other.endpoint) == pod
+    assert not continues(other)
 
 
 async def test_debug_endpoints_and_metrics_show_the_index(start_fleet: StartFleet) -> None:
