@@ -17,7 +17,10 @@ import math
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.client import Arrivals
 
 
 def _rates(text: str) -> list[float]:
@@ -35,8 +38,18 @@ def _rate(text: str) -> float:
     return rate
 
 
+def _load(text: str) -> float:
+    try:
+        load = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a load: {text!r}") from exc
+    if not (load > 0 and math.isfinite(load)):
+        raise argparse.ArgumentTypeError("a load is a finite multiple of capacity > 0")
+    return load
+
+
 def add_run_parser(commands: Any) -> None:
-    from bench.workloads import WORKLOADS, add_shape_arguments
+    from bench.workloads import LAB_WORKLOADS, WORKLOADS, add_shape_arguments
 
     run = commands.add_parser(
         "run",
@@ -49,8 +62,11 @@ def add_run_parser(commands: Any) -> None:
     )
     run.add_argument(
         "--workload",
-        choices=WORKLOADS,
+        choices=WORKLOADS + LAB_WORKLOADS,
         default="shared-prefix",
+        help="tenants: two tenants, three objectives, one burst, for flow control"
+        " (docs/flow-control.md); each request carries its objective and fairness-id"
+        " headers; give it --load (or --rate)",
     )
     run.add_argument(
         "--policy",
@@ -67,6 +83,16 @@ def add_run_parser(commands: Any) -> None:
         "--rates", type=_rates, help="a ladder of rates, e.g. 2,4,8 (each rung from cold)"
     )
     load.add_argument("--concurrency", type=int, help="closed loop with this many clients")
+    load.add_argument(
+        "--load",
+        type=_load,
+        metavar="F",
+        help="offered load as F times the fleet's capacity with no cache hits, the lab's"
+        " (docs/lab.md#capacity, computed for these --pods and this workload; 1.5: 150%%);"
+        " the tenants and trace workloads keep their own arrival pattern, scaled in time"
+        " to that mean rate, the others get Poisson arrivals at it. With --rate instead,"
+        " tenants and trace timestamps are scaled to that rate",
+    )
     run.add_argument(
         "--burst",
         type=int,
@@ -122,6 +148,14 @@ def add_run_parser(commands: Any) -> None:
         "--request-timeout", type=float, default=600.0, help="per request (simulated s)"
     )
     fleet.add_argument(
+        "--wall-clock-ttl",
+        action="store_true",
+        help="keep a flow-control config's TTLs (defaultRequestTTL, noEndpointRequestTTL)"
+        " in wall seconds as written; by default they are multiplied by --time-scale, so"
+        " that a request may wait as many simulated seconds as the config says (the EPP"
+        " runs on wall time, the pods --time-scale times slower)",
+    )
+    fleet.add_argument(
         "--max-error-rate",
         type=float,
         default=0.05,
@@ -130,8 +164,40 @@ def add_run_parser(commands: Any) -> None:
     fleet.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def arrivals_from_args(args: argparse.Namespace) -> list[Arrivals]:
+    """The load ladder `bench run`'s flags ask for; ValueError when they do not fit
+    the workload. Workloads with arrival times of their own (trace, tenants) keep
+    them, scaled to --rate or --load; the tenants workload's burst is in its
+    arrival times, so it needs one of the two."""
+    from bench.client import ArrivalKind, Arrivals
+
+    timed = args.workload in ("trace", "tenants")
+    if timed and args.burst > 1:
+        raise ValueError(
+            f"--burst shapes Poisson arrivals; the {args.workload} workload keeps its own"
+        )
+    if timed and args.concurrency is not None:
+        raise ValueError(
+            f"the {args.workload} workload keeps its own arrival times: give --load or --rate,"
+            " not --concurrency"
+        )
+    kind: ArrivalKind = "trace" if timed else "poisson"
+    if args.load is not None:
+        return [Arrivals(kind, load=args.load, burst=args.burst)]
+    if args.rates is not None:
+        return [Arrivals(kind, rate=r, burst=args.burst) for r in args.rates]
+    if args.rate is not None:
+        return [Arrivals(kind, rate=args.rate, burst=args.burst)]
+    if args.concurrency is not None:
+        return [Arrivals("closed", concurrency=args.concurrency)]
+    if args.workload == "trace":
+        return [Arrivals("trace")]
+    if args.workload == "tenants":
+        raise ValueError("the tenants workload needs --load F (F x the fleet's capacity) or --rate")
+    raise ValueError("give --rate, --rates, --load or --concurrency")
+
+
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from bench.client import Arrivals
     from bench.runner import (
         RunOptions,
         check_prefill_pods,
@@ -160,19 +226,16 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.burst > 1 and args.rate is None and args.rates is None:
-        print("error: --burst shapes Poisson arrivals: give --rate or --rates", file=sys.stderr)
+    if args.burst > 1 and args.rate is None and args.rates is None and args.load is None:
+        print(
+            "error: --burst shapes Poisson arrivals: give --rate, --rates or --load",
+            file=sys.stderr,
+        )
         return 2
-    if args.rates is not None:
-        ladder = [Arrivals("poisson", rate=r, burst=args.burst) for r in args.rates]
-    elif args.rate is not None:
-        ladder = [Arrivals("poisson", rate=args.rate, burst=args.burst)]
-    elif args.concurrency is not None:
-        ladder = [Arrivals("closed", concurrency=args.concurrency)]
-    elif args.workload == "trace":
-        ladder = [Arrivals("trace")]
-    else:
-        print("error: give --rate, --rates or --concurrency", file=sys.stderr)
+    try:
+        ladder = arrivals_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         policies = unique_names(
@@ -201,12 +264,18 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         command="python -m bench " + shlex.join(argv),
         repeats=args.repeats,
         prefill_pods=args.prefill_pods,
+        scale_ttl=not args.wall_clock_ttl,
     )
     try:
         document = run_benchmark(options)
     except KeyboardInterrupt:
         print("\ninterrupted: everything started was stopped", file=sys.stderr)
         return 130
+    except ValueError as exc:
+        # A setup that cannot measure what it is asked (a timeout shorter than
+        # flow control's TTL, ...): said before anything runs.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     failed = [n for n, r in document["policies"].items() if r["status"] == "failed"]
     print(f"results: {args.out / 'results.json'}, report: {args.out / 'report.md'}")
     return 1 if failed else 0

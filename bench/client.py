@@ -8,7 +8,9 @@ Arrivals (all in simulated seconds; the client sleeps `x time_scale` of wall tim
   `burst` = N > 1 sessions arrive N at a time, the bursts a Poisson process of
   `rate` / N: the same mean rate with N requests picked at the same instant, before
   any pod's load or cache reflects the others (what a stale view gets wrong);
-- `trace`: open loop at the sessions' own arrival times (trace replay);
+- `trace`: open loop at the sessions' own arrival times (trace replay; the
+  tenants workload); with a `rate`, those times scaled so that their mean rate over
+  the span is `rate` (as the lab scales them: `scaled_starts`);
 - `closed`: `concurrency` clients, each starting the next session when its previous
   one is done.
 
@@ -47,17 +49,34 @@ the request (`prefill_pod`: the `x-prefiller-host-port` the EPP set, which the
 benchmark's Envoy echoes back as `x-bench-prefiller`; None when the request was
 served whole); the status and, for a failure, what failed: an HTTP status, a
 connection error, a timeout, or a stream that ended without `[DONE]`.
+
+Headers: a turn's own request headers (`Turn.headers`: the tenants workload's
+objective and fairness id) go with its request, beside the content type.
+
+Shed requests: a 429 or 503 the router answered itself (flow control's bound or
+TTL, the admission's shedding, an EPP without a ready endpoint) is recorded as shed,
+`error` = "shed: <status> <why>" (`is_shed`), not as a failure: a client can act on
+it (retry later), and it is not retried here. The router's answer is told from
+Envoy's own (no upstream, a reset: plain text) by flow control's
+`x-llm-d-request-dropped-reason` header or a JSON body, which the EPP's answers
+carry and Envoy's local replies do not.
+
+When the router let a request go: bench run's Envoy adds ROUTED_HEADER to every
+response, the microseconds from the request's arrival at Envoy to its first byte
+sent upstream (the wait in the EPP's queue and the pick, Envoy's own time), from
+which `Record.routed_s` is computed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import aiohttp
@@ -70,13 +89,29 @@ ArrivalKind = Literal["poisson", "trace", "closed"]
 @dataclass(frozen=True)
 class Arrivals:
     kind: ArrivalKind
+    # poisson: sessions per second; trace: the mean rate the timestamps are scaled
+    # to (None: as they are).
     rate: float | None = None
     concurrency: int | None = None
     burst: int = 1  # poisson: sessions arriving at the same instant
+    # `bench run --load`: the offered load as a multiple of the fleet's capacity
+    # (docs/lab.md#capacity); the runner sets `rate` from it (`with_capacity`) once
+    # the workload and the fleet are known.
+    load: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind == "poisson" and (self.rate is None or self.rate <= 0):
+        if self.load is not None and not (self.load > 0 and math.isfinite(self.load)):
+            raise ValueError("a load must be a finite number > 0")
+        if self.kind == "poisson" and self.load is None and (self.rate is None or self.rate <= 0):
             raise ValueError("poisson arrivals need a rate > 0")
+        if (
+            self.kind == "trace"
+            and self.rate is not None
+            and not (self.rate > 0 and math.isfinite(self.rate))
+        ):
+            raise ValueError("a trace's timestamps are scaled to a finite rate > 0")
+        if self.kind == "closed" and self.load is not None:
+            raise ValueError("a load is offered open loop (poisson or trace arrivals)")
         if self.kind == "closed" and (self.concurrency is None or self.concurrency < 1):
             raise ValueError("closed-loop arrivals need a concurrency >= 1")
         if self.burst < 1:
@@ -85,12 +120,27 @@ class Arrivals:
             raise ValueError("bursts are for Poisson arrivals (--rate)")
 
     def label(self) -> str:
+        load = f"load {self.load:g}, " if self.load is not None else ""
+        # A rate computed from a load is shown to 4 digits; one given, as given.
+        rate = "?" if self.rate is None else format(self.rate, "g" if self.load is None else ".4g")
         if self.kind == "poisson":
             bursts = f" in bursts of {self.burst}" if self.burst > 1 else ""
-            return f"rate {self.rate:g}/s{bursts}"
+            return f"{load}rate {rate}/s{bursts}"
         if self.kind == "closed":
             return f"concurrency {self.concurrency}"
+        if self.rate is not None:
+            return f"{load}timestamps at {rate}/s"
         return "trace timestamps"
+
+    def with_capacity(self, capacity_rps: float, sessions_per_request: float = 1.0) -> Arrivals:
+        """These arrivals with `rate` set from `load` x the fleet's capacity (requests
+        per second); Poisson arrivals start sessions, so their rate is that many
+        requests' worth of sessions. Unchanged without a load."""
+        if self.load is None:
+            return self
+        offered = self.load * capacity_rps
+        rate = offered * sessions_per_request if self.kind == "poisson" else offered
+        return replace(self, rate=rate)
 
     def to_json(self) -> dict[str, Any]:
         rate = self.rate
@@ -100,16 +150,37 @@ class Arrivals:
             "rate_is_infinite": rate is not None and math.isinf(rate),
             "concurrency": self.concurrency,
             "burst": self.burst,
+            "load": self.load,
         }
 
 
 def start_times(sessions: Sequence[Session], arrivals: Arrivals, seed: int) -> list[float]:
     """Each session's start, simulated seconds after the run starts (open loop)."""
     if arrivals.kind == "trace":
-        return [s.arrival_s or 0.0 for s in sessions]
+        return scaled_starts(sessions, arrivals.rate)
     if arrivals.kind != "poisson" or arrivals.rate is None:
         raise ValueError("start times are for open-loop arrivals")
     return poisson_starts(len(sessions), arrivals.rate, seed, arrivals.burst)
+
+
+def natural_rate(sessions: Sequence[Session]) -> float:
+    """Sessions per second of their own arrival times, over their span."""
+    starts = [s.arrival_s or 0.0 for s in sessions]
+    span = max(starts) - min(starts) if starts else 0.0
+    return len(starts) / span if span > 0 else math.inf
+
+
+def trace_speed(sessions: Sequence[Session], rate: float | None) -> float:
+    """How many times faster than their own timestamps sessions arrive at `rate`
+    (1.0 for None: as they are)."""
+    return 1.0 if rate is None else rate / natural_rate(sessions)
+
+
+def scaled_starts(sessions: Sequence[Session], rate: float | None) -> list[float]:
+    """The sessions' own arrival times, divided by `trace_speed` (the lab's
+    `_scaled`): the mean rate over their span becomes `rate`."""
+    speed = trace_speed(sessions, rate)
+    return [(s.arrival_s or 0.0) / speed for s in sessions]
 
 
 def poisson_starts(count: int, rate: float, seed: int, burst: int = 1) -> list[float]:
@@ -157,6 +228,10 @@ class Record:
     # EPP set, echoed by Envoy as PREFILLER_ECHO_HEADER; the runner turns the address
     # into the pod's name); None when the request was served whole, or unknown.
     prefill_pod: str | None = None
+    # Simulated seconds after the run's start the router let the request go
+    # upstream: sent_s plus ROUTED_HEADER (module docstring); None when the router
+    # does not say (a peer router, a request that never reached a pod).
+    routed_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -171,6 +246,39 @@ class Record:
 # The response header the benchmark's Envoy adds with the request's
 # `x-prefiller-host-port` (bench/stack.py `echo_prefiller_header`).
 PREFILLER_ECHO_HEADER = "x-bench-prefiller"
+# The response header the benchmark's Envoy adds with the microseconds from the
+# request's arrival at Envoy to its first byte upstream (bench/stack.py
+# `add_routed_header`).
+ROUTED_HEADER = "x-bench-routed-us"
+# Flow control's header on the requests it sheds (epp/flowcontrol/errors.py).
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+SHED_STATUSES = (429, 503)
+SHED_PREFIX = "shed:"
+
+
+def is_shed(record: Record) -> bool:
+    """Whether the router answered the request 429/503 itself (module docstring):
+    not served, not a failure either."""
+    return not record.ok and record.error is not None and record.error.startswith(SHED_PREFIX)
+
+
+def shed_reason(status: int, headers: Any, body: bytes) -> str | None:
+    """`<status> <why>` when a 429/503 is the router's own answer (flow control's
+    dropped reason, or the JSON error's type); None for anything else (Envoy's
+    plain-text local replies, other statuses)."""
+    if status not in SHED_STATUSES:
+        return None
+    dropped = headers.get(DROPPED_REASON_HEADER)
+    if dropped:
+        return f"{status} {dropped}"
+    if not headers.get("content-type", "").startswith("application/json"):
+        return None
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return f"{status} {kind}" if kind else str(status)
 
 
 def tpot(
@@ -191,6 +299,10 @@ class _StreamError(Exception):
     pass
 
 
+class _Shed(Exception):
+    pass
+
+
 async def _stream(
     http: aiohttp.ClientSession,
     url: str,
@@ -199,16 +311,27 @@ async def _stream(
     started: float,
     scale: float,
     timeout_s: float,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> None:
-    """POST one streaming request and fill `record` in."""
+    """POST one streaming request (with `headers` beside the content type) and fill
+    `record` in."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    headers = {"content-type": "application/json"}
-    async with http.post(url, data=body, headers=headers, timeout=timeout) as response:
+    sent_headers = {"content-type": "application/json", **dict(headers)}
+    async with http.post(url, data=body, headers=sent_headers, timeout=timeout) as response:
         record.status = response.status
         record.pod = response.headers.get("x-sim-pod")
         record.prefill_pod = response.headers.get(PREFILLER_ECHO_HEADER) or None
+        routed_us = response.headers.get(ROUTED_HEADER)
+        if routed_us and record.sent_s is not None:
+            # Envoy writes "-" when the request never went upstream.
+            with contextlib.suppress(ValueError):
+                record.routed_s = record.sent_s + float(routed_us) / 1e6 / scale
         if response.status != 200:
-            text = (await response.read())[:200].decode(errors="replace")
+            answer = await response.read()
+            reason = shed_reason(response.status, response.headers, answer)
+            if reason is not None:
+                raise _Shed(reason)
+            text = answer[:200].decode(errors="replace")
             raise _StreamError(f"http {response.status}: {text.strip()}")
         pending = b""
         done = False
@@ -264,14 +387,18 @@ async def send(
     scale: float,
     timeout_s: float,
     scheduled: float | None = None,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> Record:
-    """Send one request and fill `record` in; TTFT and e2e are counted from
-    `scheduled` (a `time.perf_counter()` value: when the request was due), or from
-    now when it is None."""
+    """Send one request (with `headers`) and fill `record` in; TTFT and e2e are
+    counted from `scheduled` (a `time.perf_counter()` value: when the request was
+    due), or from now when it is None. A 429/503 from the router is recorded as
+    shed (module docstring), once: never retried."""
     started = time.perf_counter() if scheduled is None else scheduled
     try:
-        await _stream(http, url, body, record, started, scale, timeout_s)
+        await _stream(http, url, body, record, started, scale, timeout_s, headers)
         record.ok = True
+    except _Shed as exc:
+        record.error = f"{SHED_PREFIX} {exc}"
     except _StreamError as exc:
         record.error = str(exc)
     except TimeoutError:
@@ -337,7 +464,9 @@ async def drive(
                 sent = time.perf_counter()
                 record.sent_s = since_start(sent)
                 timing.first_sent = min(timing.first_sent, sent)
-                await send(http, endpoint, body, record, time_scale, timeout_wall, due)
+                await send(
+                    http, endpoint, body, record, time_scale, timeout_wall, due, turn.headers
+                )
                 ended = time.perf_counter()
                 timing.last_done = max(timing.last_done, ended)
                 if record.e2e_s is not None:

@@ -25,6 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg")
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
+from bench.lab.tenants import report_lines as tenants_report
+
 
 def _fmt(value: Any, spec: str, unit: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -68,9 +70,9 @@ def table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
     lines = [
         "| policy | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s)"
         " | TPOT p50 (ms) | TPOT p90 (ms) | throughput (req/s)"
-        " | output tok/s | requests | errors | max/mean load"
+        " | output tok/s | requests | errors | shed (429/503) | max/mean load"
         " | sim lag max (s) | client lag p50 / p99 / max (s) | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in policies.items():
         lines.append(
@@ -78,11 +80,11 @@ def table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
             f" | {_ci(r, 'ttft_p90_s', '.3f')} | {_ci(r, 'ttft_p99_s', '.3f')}"
             f" | {_ms(r, 'tpot_p50_s')} | {_ms(r, 'tpot_p90_s')}"
             f" | {_ci(r, 'throughput_rps', '.2f')} | {_ci(r, 'output_tokens_per_s', ',.0f')}"
-            f" | {_fmt(r['requests'], 'g')} | {_ci(r, 'errors', 'g')}"
+            f" | {_fmt(r['requests'], 'g')} | {_ci(r, 'errors', 'g')} | {_ci(r, 'shed', 'g')}"
             f" | {_ci(r, 'max_over_mean_load', '.2f')} | {_ci(r, 'sim_lag_max_s', '.3f')}"
             f" | {_lag(r)} | {_status(r)} |"
         )
-    empty = " |" * 14
+    empty = " |" * 15
     lines.append(
         f"| *bound h\\* (one copy per prefix, infinite cache)* | {oracle['h_star']:.3f}{empty}"
     )
@@ -234,7 +236,9 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
         " TTFT percentiles are over successful requests; TPOT (time per output token) is"
         " each answer's (last token - first token) / (output tokens - 1), its percentiles"
         " over the successful requests of two tokens or more;"
-        " errors are counted separately, and a policy is marked FAILED when its run did"
+        " errors are counted separately, requests the router answered 429/503 itself"
+        " (flow control's bounds and TTL, admission) as shed, not errors; a policy is"
+        " marked FAILED when its run did"
         f" not complete or more than {setup['max_error_rate']:.0%} of its requests failed.",
         "",
         *_repeats_text(document, repeats),
@@ -271,6 +275,8 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
     if warnings:
         lines += ["Warnings:", "", *warnings, ""]
     lines += pd_table(document, document["policies"])
+    # The tenants workload: the lab's flow-control tables, from the same summary.
+    lines += tenants_report(document["policies"])
     if len(document["ladder"]) > 1:
         lines += ["## Load ladder", "", *ladder_table(document), ""]
     load = document["policies"]

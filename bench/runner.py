@@ -27,6 +27,18 @@ order used is recorded per rung (`policy_order`).
 Times are simulated seconds (wall time divided by the fleet's time scale). TTFT and
 end-to-end times count from each request's scheduled time (bench/client.py); the
 client's lag behind its schedule is reported beside them (`client_lag_*_s`).
+
+Load: `--load F` offers F times the fleet's capacity as the lab defines it
+(`fleet_capacity_rps`, docs/lab.md#capacity); the setup records the capacity.
+
+Flow control: every request is served, shed (the router answered 429/503 itself:
+`shed`, `shed_kinds`, not errors) or failed, and the run checks that they add up to
+the requests sent (`check_accounted`). With an EPP, its flow-control metrics are
+read after the run and its queue sampled during it (`flow_control`); the tenants
+workload gets the lab's tenant summary (`tenants`, bench/lab/tenants.py). Before
+anything starts, a flow-control policy is checked against the bench's Envoy and the
+client's timeout: none may cut a request waiting its TTL (`check_waits`); the TTL
+is multiplied by the time scale unless `scale_ttl` is off (`scaled_config`).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -52,7 +65,18 @@ import yaml
 from tqdm import tqdm
 
 from bench.bounds import Bounds, compute_bounds
-from bench.client import PREFILLER_ECHO_HEADER, Arrivals, Record, RunTiming, drive
+from bench.client import (
+    PREFILLER_ECHO_HEADER,
+    ROUTED_HEADER,
+    SHED_PREFIX,
+    Arrivals,
+    Record,
+    RunTiming,
+    drive,
+    is_shed,
+    trace_speed,
+)
+from bench.lab.tenants import over_seeds_tenants, tenants_summary
 from bench.peers import PeerKind, ensure_peer_venv, parse_peer, start_peer
 from bench.provenance import portable_path, provenance
 from bench.stack import (
@@ -60,6 +84,8 @@ from bench.stack import (
     EppPorts,
     ManagedProcess,
     ProcessFailed,
+    add_routed_header,
+    check_queue_wait,
     echo_request_header,
     envoy_config,
     free_port,
@@ -68,7 +94,14 @@ from bench.stack import (
     start_sim_fleet,
 )
 from bench.stats import ci95, percentile
-from bench.workloads import Workload, WorkloadSpec, load_words, token_sequences
+from bench.workloads import (
+    OBJECTIVE_MIX,
+    Words,
+    Workload,
+    WorkloadSpec,
+    load_words,
+    token_sequences,
+)
 from epp.sources.metrics import read_series
 
 CONFIG_DIR = ROOT / "manifests" / "config"
@@ -168,6 +201,10 @@ class RunOptions:
     # A prefill/decode fleet: pods 0..prefill_pods-1 get the llm-d.ai/role `prefill`,
     # the others `decode` (`python -m sim fleet --prefill-pods`); 0: no roles.
     prefill_pods: int = 0
+    # Flow control's TTLs multiplied by the time scale (`scaled_config`), so that a
+    # request may wait as many simulated seconds as the config says; False: the
+    # config's TTLs as written, in wall seconds.
+    scale_ttl: bool = True
 
     def __post_init__(self) -> None:
         check_prefill_pods(self.prefill_pods, self.pods)
@@ -266,15 +303,15 @@ def parse_counters(page: bytes) -> dict[str, float]:
     return values
 
 
-def _get(url: str) -> bytes:
+def http_get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10.0) as response:
         body: bytes = response.read()
         return body
 
 
 def read_counters(address: str) -> PodCounters:
-    values = parse_counters(_get(f"http://{address}/metrics"))
-    document = json.loads(_get(f"http://{address}/sim/state"))
+    values = parse_counters(http_get(f"http://{address}/metrics"))
+    document = json.loads(http_get(f"http://{address}/sim/state"))
     state = document["counters"]
     pd = document.get("pd") or {}
     return PodCounters(
@@ -305,7 +342,10 @@ def summarize(
     max_error_rate: float,
 ) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
-    errors = [r for r in records if not r.ok]
+    # Shed requests (the router answered 429/503 itself) are neither served nor
+    # errors: a client can act on them (bench/client.py `is_shed`).
+    shed = [r for r in records if is_shed(r)]
+    errors = [r for r in records if not r.ok and not is_shed(r)]
     ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
     tpots = sorted(t for r in ok if (t := r.tpot_s) is not None)
     e2e = sorted(r.e2e_s for r in ok if r.e2e_s is not None)
@@ -321,6 +361,10 @@ def summarize(
     for r in errors:
         kind = (r.error or "error").split(":", 1)[0]
         error_kinds[kind] = error_kinds.get(kind, 0) + 1
+    shed_kinds: dict[str, int] = {}
+    for r in shed:
+        kind = (r.error or "")[len(SHED_PREFIX) :].strip() or "?"
+        shed_kinds[kind] = shed_kinds.get(kind, 0) + 1
     pods_in_headers: dict[str, int] = {}
     for r in ok:
         if r.pod is not None:
@@ -355,6 +399,8 @@ def summarize(
         "status": status,
         "failure": failure,
         "ok_requests": len(ok),
+        "shed": len(shed),
+        "shed_kinds": dict(sorted(shed_kinds.items())),
         "error_kinds": error_kinds,
         "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
         "e2e_p50_s": percentile(e2e, 0.50),
@@ -499,6 +545,8 @@ def combine_repeats(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
       pod counts 0), None when a repeat has none; `error_kinds`: the counts over all
       repeats (a failed run's lost requests are in `errors`, not here);
     - `status`: the worst (failed, errors, ok); `failure`: each failed repeat's;
+    - `tenants` (the tenants workload): the lab's mean over seeds of each repeat's
+      own summary (`tenants_run`), bench/lab/tenants.py `over_seeds_tenants`;
     - `repeats`: every repeat's own result (its `records_file` among them).
     """
     if not results:
@@ -514,8 +562,12 @@ def combine_repeats(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         elif key == "failure":
             failures = [f"repeat {i}: {v}" for i, v in enumerate(values, 1) if v]
             combined[key] = "; ".join(failures) if failures else None
-        elif key == "records_file":
+        elif key in ("records_file", "tenants_run"):
             continue
+        elif key == "tenants":
+            runs = [r.get("tenants_run") for r in results]
+            known = [t for t in runs if t is not None]
+            combined[key] = over_seeds_tenants(known) if len(known) == len(runs) else None
         elif any(_is_number(v) for v in values):
             known = [v for v in values if _is_number(v)]
             if len(known) == len(values):
@@ -529,7 +581,7 @@ def combine_repeats(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         ):
             names = [n for v in maps for n in v]
             per_pod = {n: [v.get(n, 0) for v in maps] for n in dict.fromkeys(names)}
-            if key == "error_kinds":
+            if key in ("error_kinds", "shed_kinds"):
                 combined[key] = {n: sum(counts) for n, counts in per_pod.items()}
             elif len(maps) < len(values):
                 combined[key] = None
@@ -576,6 +628,7 @@ class DataPath:
     url: str  # where clients send
     pods: list[tuple[str, str]]  # (name, address)
     epp_metrics_url: str | None  # the EPP's /metrics; None for a peer router
+    epp_pid: int | None = None  # the `epp serve` process (bench/idle_cpu.py reads its CPU)
 
 
 @contextlib.contextmanager
@@ -588,14 +641,18 @@ def data_path(policy: Policy, options: RunOptions, workdir: Path) -> Iterator[Da
         stack.callback(fleet.stop)
         pods = read_endpoints(endpoints)
         if policy.kind == "epp":
+            assert policy.config is not None
             ports = EppPorts.free()
-            epp = start_epp(endpoints, workdir, ports, policy.config, options.epp_flags())
+            config_file = epp_config_file(policy.config, options, workdir)
+            epp = start_epp(endpoints, workdir, ports, config_file, options.epp_flags())
             stack.callback(epp.stop)
             listen = free_port()
             config = envoy_config(listen_port=listen, epp_port=ports.grpc, admin_port=free_port())
             if options.prefill_pods:
                 # Which requests the EPP disaggregated, in each response.
                 echo_request_header(config, PREFILLER_HEADER, PREFILLER_ECHO_HEADER)
+            # When the EPP let each request go (its wait in flow control's queue).
+            add_routed_header(config, ROUTED_HEADER)
             envoy = start_envoy(config, workdir)
             stack.callback(envoy.stop)
             url = f"http://127.0.0.1:{listen}"
@@ -611,7 +668,10 @@ def data_path(policy: Policy, options: RunOptions, workdir: Path) -> Iterator[Da
             stack.callback(router.stop)
             epp_metrics = None
             processes = [fleet, router]
-        yield DataPath(url, pods, epp_metrics)
+        epp_pid = None
+        if policy.kind == "epp" and epp.process is not None:
+            epp_pid = epp.process.pid
+        yield DataPath(url, pods, epp_metrics, epp_pid)
         for process in processes:
             if process.process is not None and process.process.poll() is not None:
                 raise ProcessFailed(
@@ -648,7 +708,8 @@ def run_policy(
                     progress.set_postfix(errors=errors, refresh=False)
                 progress.update()
 
-            with progress:
+            watch = QueueWatch(path.epp_metrics_url) if path.epp_metrics_url else None
+            with progress, watch if watch is not None else contextlib.nullcontext():
                 records, timing = asyncio.run(
                     drive(
                         workload,
@@ -662,8 +723,14 @@ def run_policy(
                     )
                 )
             after = read_fleet(pods)
+            flow_control = (
+                flow_control_figures(http_get(path.epp_metrics_url), watch)
+                if path.epp_metrics_url is not None and watch is not None
+                else None
+            )
     except (ProcessFailed, OSError, subprocess.CalledProcessError) as exc:
         return failed_result(f"{type(exc).__name__}: {exc}", workload.num_requests)
+    check_accounted(records, workload.num_requests)
     counters = {name: after[name].minus(before[name]) for name in after}
     names = {address: name for name, address in pods}
     for record in records:
@@ -674,7 +741,282 @@ def run_policy(
             out.write(json.dumps(record.to_json()) + "\n")
     result = summarize(records, timing, counters, options.time_scale, options.max_error_rate)
     result["records_file"] = str((workdir / "requests.jsonl").relative_to(options.out))
+    if flow_control is not None:
+        result["flow_control"] = flow_control
+    if workload.name == "tenants":
+        run = tenants_of_run(records, workload, arrivals, policy, flow_control)
+        result["tenants_run"] = run
+        result["tenants"] = over_seeds_tenants([run])
     return result
+
+
+def check_accounted(records: Sequence[Record], sent: int) -> None:
+    """Every request of the workload has its record, and each was served, shed or
+    failed with a reason: served + shed + failed == sent, none left hanging."""
+    served = sum(1 for r in records if r.ok)
+    shed = sum(1 for r in records if is_shed(r))
+    failed = sum(1 for r in records if not r.ok and not is_shed(r) and r.error is not None)
+    if len(records) != sent or served + shed + failed != sent:
+        raise RuntimeError(
+            f"accounting: {sent} requests sent, {len(records)} records: {served} served +"
+            f" {shed} shed + {failed} failed (the rest neither answered nor failed)"
+        )
+
+
+# -- tenants and flow control ----------------------------------------------------------
+
+# The EPP's flow-control series (epp/flowcontrol/metrics.py); the dispatch-pass
+# counter exists from the start whenever flow control is on.
+FC_QUEUE_SIZE = "epp_flow_control_queue_size"
+FC_QUEUE_BYTES = "epp_flow_control_queue_bytes"
+FC_PASSES = "epp_flow_control_dispatch_passes_total"
+FC_REQUESTS = "epp_flow_control_requests_total"
+FC_WAIT = "epp_flow_control_request_queue_duration_seconds"
+# A request dispatched after more than the wait histogram's first bucket (1 ms) has
+# waited in the queue: a request let through at once is dispatched in microseconds.
+FC_WAITED_AFTER = "0.001"
+# Wall seconds between two samples of the queue's size during a run.
+QUEUE_SAMPLE_INTERVAL_S = 0.2
+
+
+def series_sum(page: bytes, name: str) -> float | None:
+    """The sum of a series' samples on a Prometheus page; None when it is not there."""
+    read = read_series(page, name)
+    return sum(s.value for s in read.samples) if read.samples else None
+
+
+def queue_now(page: bytes) -> tuple[int, int]:
+    """Requests and bytes waiting in flow control, all bands and flows."""
+    return int(series_sum(page, FC_QUEUE_SIZE) or 0), int(series_sum(page, FC_QUEUE_BYTES) or 0)
+
+
+class QueueWatch:
+    """Samples the EPP's queue size every QUEUE_SAMPLE_INTERVAL_S in a thread while
+    the run lasts (a context manager): the peak the run saw. A sample is a scrape
+    of the EPP's /metrics, a few milliseconds of its CPU."""
+
+    def __init__(self, metrics_url: str, interval_s: float = QUEUE_SAMPLE_INTERVAL_S) -> None:
+        self.url = metrics_url
+        self.interval_s = interval_s
+        self.peak = 0
+        self.peak_bytes = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="queue-watch", daemon=True)
+
+    def __enter__(self) -> QueueWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                size, size_bytes = queue_now(http_get(self.url))
+            except OSError:
+                continue  # a scrape that failed under load: the next one counts
+            self.samples += 1
+            self.peak = max(self.peak, size)
+            self.peak_bytes = max(self.peak_bytes, size_bytes)
+
+
+def flow_control_figures(page: bytes, watch: QueueWatch | None) -> dict[str, Any] | None:
+    """What the EPP's metrics say of flow control after a run (None: it was off):
+    the queue's sampled peak, what is left in it, dispatch passes, requests by
+    outcome, and per priority band how many were dispatched after waiting
+    (`waited_priority_<p>`). Flat numbers, so repeats average them."""
+    passes = series_sum(page, FC_PASSES)
+    if passes is None:
+        return None
+    size, size_bytes = queue_now(page)
+    figures: dict[str, Any] = {
+        "queue_peak": max(watch.peak if watch else 0, size),
+        "queue_peak_bytes": max(watch.peak_bytes if watch else 0, size_bytes),
+        "queue_samples": watch.samples if watch else 0,
+        "queued_at_end": size,
+        "dispatch_passes": int(passes),
+    }
+    for sample in read_series(page, FC_REQUESTS).samples:
+        key = f"outcome_{sample.labels.get('outcome', '?')}"
+        figures[key] = figures.get(key, 0) + int(sample.value)
+    dispatched: dict[str, float] = {}
+    at_once: dict[str, float] = {}
+    for sample in read_series(page, FC_WAIT + "_count").samples:
+        if sample.labels.get("outcome") == "dispatched":
+            dispatched[sample.labels["priority"]] = sample.value
+    for sample in read_series(page, FC_WAIT + "_bucket").samples:
+        labels = sample.labels
+        if labels.get("outcome") == "dispatched" and labels.get("le") == FC_WAITED_AFTER:
+            at_once[labels["priority"]] = sample.value
+    for priority, count in dispatched.items():
+        figures[f"waited_priority_{priority}"] = int(count - at_once.get(priority, 0.0))
+    return figures
+
+
+def config_objectives(config: Path) -> dict[str, int]:
+    """An EndpointPickerConfig's `inferenceObjectives`: name -> priority."""
+    document = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    return {
+        str(o["name"]): int(o.get("priority") or 0)
+        for o in document.get("inferenceObjectives") or []
+        if isinstance(o, dict) and "name" in o
+    }
+
+
+def waited_by_objective(
+    policy: Policy, flow_control: dict[str, Any] | None
+) -> dict[str, int | None]:
+    """Per objective of the tenants workload, requests the EPP dispatched after a
+    wait (its metrics count them per priority band): 0 for an EPP without flow
+    control (nothing waits in it); None when unknown (a peer router, objectives
+    sharing a band)."""
+    names = [name for name, _ in OBJECTIVE_MIX]
+    if policy.kind != "epp" or policy.config is None:
+        return dict.fromkeys(names)
+    if flow_control is None:
+        return dict.fromkeys(names, 0)
+    # An objective the config does not name is priority 0 (epp/director.py).
+    defined = config_objectives(policy.config)
+    priority = {name: defined.get(name, 0) for name in names}
+    shared = {p for p in priority.values() if list(priority.values()).count(p) > 1}
+    return {
+        name: None if p in shared else int(flow_control.get(f"waited_priority_{p}", 0))
+        for name, p in priority.items()
+    }
+
+
+def tenants_window(workload: Workload, arrivals: Arrivals) -> tuple[float, float]:
+    """The tenants workload's burst window in the run's simulated seconds: its own
+    (in the workload's time units) divided by the speed its arrival times were
+    scaled by (`bench.client.trace_speed`)."""
+    start, end = workload.params["burst_window"]
+    speed = trace_speed(workload.sessions, arrivals.rate)
+    return float(start) / speed, float(end) / speed
+
+
+def tenants_of_run(
+    records: Sequence[Record],
+    workload: Workload,
+    arrivals: Arrivals,
+    policy: Policy,
+    flow_control: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The lab's tenant summary (bench/lab/tenants.py) of a `bench run`: each
+    record with its request's headers and when Envoy let it go upstream."""
+    headers = {(s.id, i): t.headers for s in workload.sessions for i, t in enumerate(s.turns)}
+    sent = [(r, headers[(r.session, r.turn)], r.routed_s) for r in records]
+    router = {"flow_control": flow_control} if flow_control is not None else {}
+    return tenants_summary(
+        sent,
+        tenants_window(workload, arrivals),
+        router,
+        int(workload.params["output_len"]),
+        waited_by_objective(policy, flow_control),
+    )
+
+
+# -- load and timeouts ---------------------------------------------------------------------
+
+# Added to flow control's TTL for the pick after the wait, as the Helm chart does
+# (`envoy.timeouts.flowControlHeadroom`): every timeout that counts a queued
+# request's wait must be at least TTL + this.
+QUEUE_WAIT_HEADROOM_S = 30.0
+
+
+def fleet_capacity_rps(workload: Workload, words: Words, pods: int) -> float:
+    """The fleet's capacity as the lab defines it (docs/lab.md#capacity: every
+    request's prompt prefilled with nothing cached, its output tokens at the
+    compute roofline; pods / the mean), with the step-time model the simulated
+    pods run (`sim.latency.LatencyModel`'s defaults: `python -m sim` changes only
+    its KV-transfer figures, which the capacity does not use)."""
+    from bench.lab.workload import capacity_rps, from_workload
+    from sim.latency import LatencyModel
+
+    return capacity_rps(from_workload(workload, words), pods, LatencyModel())
+
+
+def flow_control_ttl(config: Path) -> float | None:
+    """Flow control's queue-wait budget in seconds (`defaultRequestTTL`, 60 s when
+    unset; math.inf for 0s: no TTL), or None when the config's gate is off."""
+    from epp.config.errors import Problems
+    from epp.config.flowcontrol import feature_gates
+    from epp.durations import parse_duration
+
+    document = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    gates, _ = feature_gates(document.get("featureGates"), Problems())
+    if not gates.get("flowControl"):
+        return None
+    ttl = parse_duration(str((document.get("flowControl") or {}).get("defaultRequestTTL", "60s")))
+    return ttl if ttl > 0 else math.inf
+
+
+def ttl_scale(config: Path, options: RunOptions) -> float:
+    """What the config's flow-control TTLs are multiplied by in this run: the time
+    scale (wall seconds per simulated second) when `options.scale_ttl` and the
+    config turns flow control on, else 1."""
+    if not options.scale_ttl or options.time_scale == 1.0 or flow_control_ttl(config) is None:
+        return 1.0
+    return options.time_scale
+
+
+def scaled_config(text: str, scale: float) -> str:
+    """An EndpointPickerConfig with its flow-control TTLs (`defaultRequestTTL`, 60 s
+    when unset, and `noEndpointRequestTTL` when set) multiplied by `scale`. The EPP
+    runs on wall time while the pods run `scale` times slower than real time: a TTL
+    of 30 s would be 30 / scale simulated seconds, so a run at --time-scale 10 would
+    shed after 3 s of simulated waiting what the lab lets wait 30."""
+    from epp.durations import parse_duration
+
+    document = yaml.safe_load(text)
+    section = document.setdefault("flowControl", {}) or {}
+    document["flowControl"] = section
+    for key, default in (("defaultRequestTTL", "60s"), ("noEndpointRequestTTL", None)):
+        value = section.get(key, default)
+        if value is not None:
+            section[key] = f"{parse_duration(str(value)) * scale:g}s"
+    dumped: str = yaml.safe_dump(document, sort_keys=False)
+    return dumped
+
+
+def epp_config_file(config: Path, options: RunOptions, workdir: Path) -> Path:
+    """The config file `epp serve` gets: the policy's own, or its copy with scaled
+    TTLs (`scaled_config`) in `workdir`."""
+    scale = ttl_scale(config, options)
+    if scale == 1.0:
+        return config
+    path = workdir / f"{config.stem}.ttl-x{scale:g}.yaml"
+    path.write_text(scaled_config(config.read_text(encoding="utf-8"), scale), encoding="utf-8")
+    return path
+
+
+def check_waits(policies: Sequence[Policy], options: RunOptions) -> None:
+    """ValueError unless a request may wait its whole TTL in the EPP's queue before
+    anything else gives up on it: the bench's Envoy (as `data_path` builds it) and
+    the client's own timeout (`--request-timeout`, simulated seconds x the time
+    scale: the EPP's TTL is in wall seconds)."""
+    for policy in policies:
+        if policy.kind != "epp" or policy.config is None:
+            continue
+        ttl = flow_control_ttl(policy.config)
+        if ttl is None:
+            continue
+        ttl *= ttl_scale(policy.config, options)
+        wait = ttl + QUEUE_WAIT_HEADROOM_S
+        try:
+            check_queue_wait(envoy_config(listen_port=1, epp_port=1, admin_port=1), wait)
+        except ValueError as exc:
+            raise ValueError(f"policy {policy.name}: {exc}") from exc
+        client = options.request_timeout_s * options.time_scale
+        if client < wait:
+            raise ValueError(
+                f"policy {policy.name}: the client gives up after {client:g} wall seconds"
+                f" (--request-timeout x --time-scale), before a request waiting its flow"
+                f" control TTL ({ttl:g} wall seconds) plus {QUEUE_WAIT_HEADROOM_S:g}s is answered:"
+                " raise --request-timeout"
+            )
 
 
 # -- the whole run -------------------------------------------------------------------------
@@ -699,21 +1041,37 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
 
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     options.out.mkdir(parents=True, exist_ok=True)
+    check_waits(options.policies, options)
     words = load_words(options.tokenizer)
     workload = options.workload.build(words)
+    capacity = fleet_capacity_rps(workload, words, options.pods)
+    # `--load`: F x capacity, in requests per second; Poisson arrivals start
+    # sessions, a multi-turn workload's at that many requests' worth of sessions.
+    share = len(workload.sessions) / workload.num_requests
+    rungs = [a.with_capacity(capacity, share) for a in options.ladder]
     bounds = workload_bounds(workload, options.tokenizer, options.block_size, options.pods)
     print(
         f"workload {workload.name}: {workload.num_requests} requests,"
         f" {bounds.prompt_tokens} prompt tokens; bounds h*={bounds.h_star:.3f}"
         f" h_random={bounds.h_random:.3f} ({options.pods} pods, blocks of"
-        f" {options.block_size})",
+        f" {options.block_size}); capacity {capacity:.2f} requests/s with no cache hit"
+        " (docs/lab.md#capacity)",
         flush=True,
     )
     ladder = []
     started = time.monotonic()
     repeats = options.repeats
-    for arrivals in options.ladder:
-        rung: dict[str, Any] = {"arrivals": arrivals.to_json(), "label": arrivals.label()}
+    for arrivals in rungs:
+        offered = _offered_rps(arrivals, share)
+        rung: dict[str, Any] = {
+            "arrivals": arrivals.to_json(),
+            "label": arrivals.label(),
+            # Offered requests per second, and as a multiple of the fleet's capacity.
+            "offered_rps": offered,
+            "load": offered / capacity if offered is not None else None,
+        }
+        if workload.name == "tenants":
+            rung["burst_window_s"] = list(tenants_window(workload, arrivals))
         orders = policy_orders(options.policies, repeats)
         runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in options.policies}
         for repeat, order in enumerate(orders, 1):
@@ -759,11 +1117,24 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
             ],
             "epp_args": options.epp_args,
             "envoy": "manifests/envoy/envoy.yaml",
+            "capacity_rps": capacity,
+            "capacity_definition": "docs/lab.md#capacity (the pods' step-time model)",
+            **(
+                {"burst_window_s": ladder[-1]["burst_window_s"]}
+                if ladder and "burst_window_s" in ladder[-1]
+                else {}
+            ),
             "seed": options.seed,
             "request_timeout_s": options.request_timeout_s,
             "max_error_rate": options.max_error_rate,
             "repeats": repeats,
             "prefill_pods": options.prefill_pods,
+            # Flow control's TTLs in wall seconds = the config's x this.
+            "flow_control_ttl_scale": {
+                p.name: ttl_scale(p.config, options)
+                for p in options.policies
+                if p.config is not None and flow_control_ttl(p.config) is not None
+            },
         },
         "workload": {**workload.describe(), "prompt_tokens": bounds.prompt_tokens},
         "oracle": bounds.to_json(),
@@ -772,6 +1143,16 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
     }
     write_outputs(document, options.out)
     return document
+
+
+def _offered_rps(arrivals: Arrivals, sessions_per_request: float) -> float | None:
+    """Requests per second the arrivals offer (None: closed loop, or a trace at its
+    own timestamps, whose rate is whatever they say)."""
+    if arrivals.rate is None or math.isinf(arrivals.rate):
+        return None
+    if arrivals.kind == "poisson":
+        return arrivals.rate / sessions_per_request
+    return arrivals.rate
 
 
 def _slug(text: str) -> str:
@@ -798,6 +1179,7 @@ def _one_line(name: str, arrivals: Arrivals, result: dict[str, Any], tag: str = 
         f" p90 {_with_ci(result, 'ttft_p90_s', '.3f')} s,"
         f" TPOT p50 {_ms(result, 'tpot_p50_s')} ms p90 {_ms(result, 'tpot_p90_s')} ms,"
         f" {_with_ci(result, 'throughput_rps', '.2f')} req/s, errors {_fmt(result['errors'], 'g')},"
+        f" shed {_fmt(result.get('shed'), 'g')},"
         f" sim lag {_fmt(result.get('sim_lag_max_s'), '.2f')} s,"
         f" client lag p50 {_fmt(result.get('client_lag_p50_s'), '.3f')} s"
         f" p99 {_fmt(result.get('client_lag_p99_s'), '.3f')} s"

@@ -271,6 +271,87 @@ def echo_request_header(config: dict[str, Any], request_header: str, response_he
                 )
 
 
+def add_routed_header(config: dict[str, Any], response_header: str) -> None:
+    """Have Envoy add `response_header` to every response of every listener's routes:
+    the microseconds from the request's first byte at Envoy to its first byte sent
+    upstream, i.e. how long the request waited for the EPP (its queue and the pick)
+    plus Envoy's own time. `bench run` reads when each request was let go from it
+    (bench/client.py `Record.routed_s`); Envoy writes "-" for a request that never
+    went upstream."""
+    for listener in config["static_resources"]["listeners"]:
+        for host in _hcm(listener)["route_config"]["virtual_hosts"]:
+            for route in host["routes"]:
+                route.setdefault("response_headers_to_add", []).append(
+                    {
+                        "header": {
+                            "key": response_header,
+                            "value": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+                        },
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                )
+
+
+# Envoy's defaults for the timeouts below when a config leaves them out (seconds).
+ENVOY_DEFAULT_MESSAGE_TIMEOUT_S = 0.2
+ENVOY_DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
+
+
+def _seconds(value: Any, default: float) -> float:
+    """A protobuf duration of an Envoy config ("1000s", "0.5s"), `default` when absent."""
+    if value is None:
+        return default
+    from epp.durations import parse_duration
+
+    return parse_duration(str(value))
+
+
+def queue_wait_timeouts(config: dict[str, Any]) -> list[tuple[str, float]]:
+    """The timeouts of an Envoy bootstrap that must let a request wait in the EPP's
+    queue (docs/flow-control.md, "Envoy: timeouts for a request that waits"), as
+    (where, seconds; 0: none): the ext_proc `message_timeout` (it counts the wait
+    with a BUFFERED request body), the connection manager's `stream_idle_timeout`
+    and the routes' `idle_timeout` (they count it: no byte moves while a request
+    waits) and `request_timeout` (documented to stop when the request goes
+    upstream: set above the wait all the same). The route `timeout` is not among
+    them: it starts when the EPP lets the request go."""
+    found: list[tuple[str, float]] = []
+    for listener in config["static_resources"]["listeners"]:
+        name = listener.get("name", "?")
+        hcm = _hcm(listener)
+        stream_idle = _seconds(hcm.get("stream_idle_timeout"), ENVOY_DEFAULT_STREAM_IDLE_TIMEOUT_S)
+        found.append((f"{name}: stream_idle_timeout", stream_idle))
+        found.append((f"{name}: request_timeout", _seconds(hcm.get("request_timeout"), 0.0)))
+        for f in hcm["http_filters"]:
+            if f["name"] == "envoy.filters.http.ext_proc":
+                timeout = f["typed_config"].get("message_timeout")
+                found.append(
+                    (
+                        f"{name}: ext_proc message_timeout",
+                        _seconds(timeout, ENVOY_DEFAULT_MESSAGE_TIMEOUT_S),
+                    )
+                )
+        for host in hcm["route_config"]["virtual_hosts"]:
+            for route in host["routes"]:
+                idle = route.get("route", {}).get("idle_timeout")
+                if idle is not None:  # absent: the connection manager's applies
+                    found.append((f"{name}: route idle_timeout", _seconds(idle, 0.0)))
+    return found
+
+
+def check_queue_wait(config: dict[str, Any], wait_s: float) -> None:
+    """ValueError naming every Envoy timeout (`queue_wait_timeouts`) that would end
+    a request waiting `wait_s` seconds in the EPP's queue before the EPP answers it."""
+    short = [(where, t) for where, t in queue_wait_timeouts(config) if 0 < t < wait_s]
+    if short:
+        listed = ", ".join(f"{where} {t:g}s" for where, t in short)
+        raise ValueError(
+            f"Envoy would fail a request waiting {wait_s:g}s in the EPP's queue first:"
+            f" {listed}; set them to 0s (none) or above the wait"
+            ' (docs/flow-control.md, "Envoy: timeouts for a request that waits")'
+        )
+
+
 FALLBACK_CLUSTER = "pool_fallback"
 
 

@@ -35,8 +35,9 @@ Workloads (lengths in tokens):
   more often: Zipf weights 1 / rank) followed by a question of `question_len` tokens;
   short answers of `output_len` tokens. Long prompts whose documents recur, short
   outputs: the shape prefill/decode disaggregation is for.
-- `tenants` (the lab only: `python -m bench lab`): two tenants and three
-  priorities, for flow control (docs/flow-control.md). `requests` single-turn
+- `tenants` (`python -m bench lab`, and `python -m bench run` through real Envoy,
+  which sends each request's headers): two tenants and three priorities, for flow
+  control (docs/flow-control.md). `requests` single-turn
   prompts, each a tenant's own system prompt of `system_len` tokens and a question
   of `question_len`, answers of `output_len`. Each request carries its tenant in
   `x-llm-d-inference-fairness-id` (`steady` or `bursty`) and its objective in
@@ -45,8 +46,8 @@ Workloads (lengths in tokens):
   outside the burst window; in the middle third of the run the bursty one offers
   5 times as much. Arrival times come with the workload (sorted uniform draws, i.e.
   Poisson arrivals given their number), in units where the steady tenant offers one
-  request per second; the lab scales them to the load asked for, so `--load` is the
-  mean offered load over the whole run.
+  request per second; the lab and `bench run` scale them to the load asked for, so
+  `--load` is the mean offered load over the whole run.
 - `trace`: replay of a Mooncake-style JSONL trace, one request per line
   `{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`. Each hash id
   stands for a 512-token block; its words are drawn from a generator seeded by
@@ -84,8 +85,9 @@ DEFAULT_TOKENIZER = Path(
 )
 
 WORKLOADS = ("shared-prefix", "hot-prefix", "multi-turn", "no-reuse", "rag", "trace")
-# Workloads only the lab runs: their requests carry headers, which `bench run`'s
-# client does not send.
+# Workloads whose requests carry headers and whose arrival times come with them:
+# `bench lab` and `bench run` offer them beside WORKLOADS (`--load` or `--rate`
+# scales their times).
 LAB_WORKLOADS = ("tenants",)
 TRACE_BLOCK_TOKENS = 512
 TRACE_SYSTEM_PROMPT = "You are a helpful assistant."

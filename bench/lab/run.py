@@ -599,28 +599,14 @@ def run_once(
 
 def account(records: Sequence[Record], result: dict[str, Any]) -> None:
     """Every request sent was served, answered by the router with a status it can
-    act on (shed: 429/503), or failed; none is left hanging. Shed requests are not
-    errors: `errors` and `status` are counted again without them (and `shed` added)
-    when there are any."""
+    act on (shed: 429/503), or failed; none is left hanging. (`summarize` counts
+    the shed ones apart from the errors, as `bench run` does.)"""
     hung = [r for r in records if not r.ok and r.error is None]
     if hung:
         raise RuntimeError(
             f"lab accounting: {len(hung)} of {len(records)} requests neither served nor"
-            " answered (first: session {hung[0].session}, turn {hung[0].turn})"
+            f" answered (first: session {hung[0].session}, turn {hung[0].turn})"
         )
-    shed = [r for r in records if not r.ok and r.error is not None and r.error.startswith("shed:")]
-    if not shed:
-        return
-    kinds: dict[str, int] = {}
-    for r in shed:
-        kind = r.error[len("shed: ") :] if r.error else "?"
-        kinds[kind] = kinds.get(kind, 0) + 1
-    result["shed"] = len(shed)
-    result["shed_kinds"] = dict(sorted(kinds.items()))
-    result["errors"] -= len(shed)
-    result["error_kinds"].pop("shed", None)
-    if result["status"] == "errors" and not result["errors"]:
-        result["status"] = "ok"
 
 
 def pd_summary(run: LabRun, pods: Sequence[LabPod]) -> dict[str, Any]:

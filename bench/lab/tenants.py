@@ -3,10 +3,27 @@
 tenant, its throughput during the burst against its fair share; Jain's fairness
 index between the tenants; the controller's peak queue.
 
+One implementation for both runs of the workload: the lab's (bench/lab/run.py, on
+virtual time) and `bench run`'s (bench/runner.py, through real Envoy and EPP) feed
+the same records to `tenants_summary`, and their results (`tenants` in each
+policy's result) make the same tables (`report_lines`, `python -m bench.lab.tenants`
+on either's output directory). What differs is where two figures come from:
+
+- **When the router let a request go** (the queue wait): in the lab, the instant the
+  EPP's decision was made; through Envoy, when Envoy sent the request's first byte
+  upstream (Envoy's own time and the pick included: a few milliseconds).
+- **Requests that waited** and the queue: the lab's router counts every wait above 0
+  and sees the controller itself (peak queue, timer wake-ups); `bench run` takes the
+  EPP's own metrics (`waited`: dispatched after more than the queue-duration
+  histogram's first bucket, 1 ms, per priority; the peak queue sampled from
+  `epp_flow_control_queue_size` during the run). A figure the run cannot know is
+  left out (None, "-" in the tables).
+
 - **Served / shed / failed**: served, the response ended; shed, the router answered
   429 or 503 itself (flow control's bound or TTL, or the detector's admission with
-  flow control off); failed, anything else (an engine error, a refusal without a
-  status). The lab checks that they add up to the requests sent.
+  flow control off; bench/client.py `is_shed`); failed, anything else (an engine
+  error, a refusal without a status). Both runs check that they add up to the
+  requests sent.
 - **Throughput during the burst**: the output tokens the engines produced for the
   tenant within the burst window, over the window's length (each served request's
   tokens spread evenly from its first token to its last: a response that spans the
@@ -29,7 +46,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench.client import Record
+from bench.client import Record, is_shed
 from bench.stats import ci95, percentile
 from bench.workloads import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, OBJECTIVE_MIX, TENANTS
 
@@ -83,9 +100,13 @@ def tenants_summary(
     window: tuple[float, float] | None,
     router: dict[str, Any],
     output_len: int,
+    waited: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
     """One run's flow-control figures (see the module docstring); `router` is the
-    router's `describe()` (the controller's peak queue, when it has one)."""
+    router's `describe()` (the controller's peak queue, when it has one; `bench
+    run` gives the EPP's metrics in the same shape). `waited`: per objective, how
+    many requests waited in the router, as the router counted them (None: counted
+    here, every wait above 0; a None count: unknown)."""
     objectives = [name for name, _ in OBJECTIVE_MIX]
     by_objective: dict[str, Any] = {}
     for objective in objectives:
@@ -95,14 +116,14 @@ def tenants_summary(
         by_objective[objective] = {
             "sent": len(mine),
             "served": sum(1 for r, _ in mine if r.ok),
-            "shed": sum(1 for r, _ in mine if _is_shed(r)),
-            "failed": sum(1 for r, _ in mine if not r.ok and not _is_shed(r)),
+            "shed": sum(1 for r, _ in mine if is_shed(r)),
+            "failed": sum(1 for r, _ in mine if not r.ok and not is_shed(r)),
             "ttft_p50_s": percentile(ttfts, 0.50),
             "ttft_p90_s": percentile(ttfts, 0.90),
             "ttft_p99_s": percentile(ttfts, 0.99),
             "queue_wait_p90_s": percentile(waits, 0.90),
             "queue_wait_max_s": waits[-1] if waits else None,
-            "waited": sum(1 for w in waits if w > 0),
+            "waited": sum(1 for w in waits if w > 0) if waited is None else waited.get(objective),
         }
     by_tenant: dict[str, Any] = {}
     start, end = window if window is not None else (0.0, 0.0)
@@ -114,7 +135,7 @@ def tenants_summary(
         by_tenant[tenant] = {
             "sent": len(theirs),
             "served": sum(1 for r in theirs if r.ok),
-            "shed": sum(1 for r in theirs if _is_shed(r)),
+            "shed": sum(1 for r in theirs if is_shed(r)),
             "offered_tokens_per_s_burst": offered / length if length > 0 else None,
             "served_tokens_per_s_burst": served / length if length > 0 else None,
         }
@@ -132,29 +153,27 @@ def tenants_summary(
         jain_fair = jain(ratios)
         jain_raw = jain([t["served_tokens_per_s_burst"] for t in by_tenant.values()])
     records = [r for r, _, _ in sent]
+    counts = [o["waited"] for o in by_objective.values()]
     out: dict[str, Any] = {
         "sent": len(records),
         "served": sum(1 for r in records if r.ok),
-        "shed": sum(1 for r in records if _is_shed(r)),
-        "failed": sum(1 for r in records if not r.ok and not _is_shed(r)),
-        "waited": sum(o["waited"] for o in by_objective.values()),
+        "shed": sum(1 for r in records if is_shed(r)),
+        "failed": sum(1 for r in records if not r.ok and not is_shed(r)),
+        "waited": None if None in counts else sum(counts),
         "burst_window_s": [start, end] if window is not None else None,
         "jain_burst": jain_fair,
         "jain_raw_burst": jain_raw,
         "by_objective": by_objective,
         "by_tenant": by_tenant,
     }
-    assert out["served"] + out["shed"] + out["failed"] == out["sent"]
+    if out["served"] + out["shed"] + out["failed"] != out["sent"]:
+        raise RuntimeError(f"accounting: served + shed + failed != sent: {out}")
     fc = router.get("flow_control")
     if fc is not None:
         out["flow_control"] = fc
-        if fc["queued_at_end"] or fc["picks_waiting_at_end"]:
-            raise RuntimeError(f"lab accounting: requests left in flow control at the end: {fc}")
+        if fc.get("queued_at_end") or fc.get("picks_waiting_at_end"):
+            raise RuntimeError(f"accounting: requests left in flow control at the end: {fc}")
     return out
-
-
-def _is_shed(record: Record) -> bool:
-    return not record.ok and record.error is not None and record.error.startswith("shed:")
 
 
 def _mean(values: Sequence[float | None]) -> tuple[float | None, float | None]:
@@ -185,19 +204,24 @@ def over_seeds_tenants(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for key in runs[0]["by_tenant"][tenant]:
             put(part, key, [r["by_tenant"][tenant][key] for r in runs])
         out["by_tenant"][tenant] = part
-    fcs = [r.get("flow_control") for r in runs]
-    if all(fc is not None for fc in fcs):
+    found = [r.get("flow_control") for r in runs]
+    fcs = [fc for fc in found if fc is not None]
+    if fcs and len(fcs) == len(found):
+        # The largest peak over the runs, the sums of the counts; a figure a run
+        # does not know (bench run has no timer count) stays None.
+        def over(key: str, combine: Any) -> Any:
+            values = [fc.get(key) for fc in fcs]
+            return None if None in values else combine(values)
+
         out["flow_control"] = {
-            "queue_peak_max": max(fc["queue_peak"] for fc in fcs if fc),
-            "queue_peak_bytes_max": max(fc["queue_peak_bytes"] for fc in fcs if fc),
-            "dispatch_passes": sum(fc["dispatch_passes"] for fc in fcs if fc),
-            "timer_wakeups": sum(fc["timer_wakeups"] for fc in fcs if fc),
-            "timer_wakeups_with_empty_queue": sum(
-                fc["timer_wakeups_with_empty_queue"] for fc in fcs if fc
-            ),
+            "queue_peak_max": over("queue_peak", max),
+            "queue_peak_bytes_max": over("queue_peak_bytes", max),
+            "dispatch_passes": over("dispatch_passes", sum),
+            "timer_wakeups": over("timer_wakeups", sum),
+            "timer_wakeups_with_empty_queue": over("timer_wakeups_with_empty_queue", sum),
         }
-        put(out["flow_control"], "queue_peak", [fc["queue_peak"] for fc in fcs if fc])
-        put(out["flow_control"], "queue_peak_bytes", [fc["queue_peak_bytes"] for fc in fcs if fc])
+        put(out["flow_control"], "queue_peak", [fc.get("queue_peak") for fc in fcs])
+        put(out["flow_control"], "queue_peak_bytes", [fc.get("queue_peak_bytes") for fc in fcs])
     return out
 
 
@@ -273,22 +297,26 @@ def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = No
             )
     lines += [
         "",
-        "Every request, all seeds: served + shed + failed = sent (checked by the lab;"
+        "Every request, all seeds (or repeats): served + shed + failed = sent (checked;"
         " nothing is left in a queue at the end). The queue's peak is the largest over"
-        " the seeds; timer wake-ups with an empty queue would be work done while idle.",
+        " the seeds; timer wake-ups with an empty queue would be work done while idle"
+        " (the lab only: through Envoy, `-`; the EPP's idle CPU is measured by"
+        " `python -m bench.idle_cpu`).",
         "",
         "| policy | sent | served | shed | failed | requests that waited | peak queue"
         " | peak queue bytes | dispatch passes | timer wake-ups | ... with an empty queue |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, t in with_tenants.items():
-        fc = t.get("flow_control")
-        tail = (
-            f" | {fc['queue_peak_max']} | {fc['queue_peak_bytes_max']} | {fc['dispatch_passes']}"
-            f" | {fc['timer_wakeups']} | {fc['timer_wakeups_with_empty_queue']} |"
-            if fc
-            else " | - | - | - | - | - |"
+        fc = t.get("flow_control") or {}
+        keys = (
+            "queue_peak_max",
+            "queue_peak_bytes_max",
+            "dispatch_passes",
+            "timer_wakeups",
+            "timer_wakeups_with_empty_queue",
         )
+        tail = "".join(f" | {'-' if fc.get(k) is None else fc[k]}" for k in keys) + " |"
         lines.append(
             f"| {name} | {_pm(t, 'sent', '.0f')} | {_pm(t, 'served', '.1f')}"
             f" | {_pm(t, 'shed', '.1f')} | {_pm(t, 'failed', '.1f')} | {_pm(t, 'waited', '.0f')}"
@@ -305,7 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="python -m bench.lab.tenants", description=main.__doc__)
-    parser.add_argument("loaded", type=Path, metavar="LOADED", help="a tenants lab run's --out")
+    parser.add_argument(
+        "loaded",
+        type=Path,
+        metavar="LOADED",
+        help="a tenants run's --out (`python -m bench lab` or `python -m bench run`)",
+    )
     parser.add_argument(
         "unloaded", type=Path, nargs="?", metavar="UNLOADED", help="the same at low load"
     )

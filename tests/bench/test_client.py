@@ -96,7 +96,7 @@ async def test_open_loop_ttft_counts_from_the_schedule_when_the_client_falls_beh
     # Four sessions due at once; building each body blocks the client 50 ms, so the
     # k-th request goes out about 50 ms x k after it was due.
     block = 0.05
-    sessions = [Session(i, i, (SlowTurn(MESSAGES, 1, block),)) for i in range(4)]
+    sessions = [Session(i, i, (SlowTurn(MESSAGES, 1, block_s=block),)) for i in range(4)]
     records, _ = await run(sessions, Arrivals("poisson", rate=float("inf")))
     assert [r.session for r in records] == [0, 1, 2, 3]
     assert all(r.ok for r in records), [r.error for r in records]
@@ -119,7 +119,7 @@ async def test_open_loop_ttft_counts_from_the_schedule_when_the_client_falls_beh
 
 
 async def test_the_lag_is_reported_in_the_summary() -> None:
-    sessions = [Session(i, i, (SlowTurn(MESSAGES, 1, 0.03),)) for i in range(3)]
+    sessions = [Session(i, i, (SlowTurn(MESSAGES, 1, block_s=0.03),)) for i in range(3)]
     records, timing = await run(sessions, Arrivals("poisson", rate=float("inf")))
     result = summarize(records, timing, {}, time_scale=1.0, max_error_rate=0.05)
     lags = sorted(lag(r) for r in records)
@@ -133,7 +133,11 @@ async def test_a_later_turn_is_due_when_the_previous_answer_ended_plus_think_tim
     # Time scale 0.5: think time 0.1 simulated seconds is 0.05 of wall time, and a
     # 30 ms body is 0.06 simulated seconds of lag.
     scale, think, block = 0.5, 0.1, 0.03
-    turns = (Turn(MESSAGES, 1), SlowTurn(MESSAGES, 1, block), SlowTurn(MESSAGES, 1, block))
+    turns = (
+        Turn(MESSAGES, 1),
+        SlowTurn(MESSAGES, 1, block_s=block),
+        SlowTurn(MESSAGES, 1, block_s=block),
+    )
     records, _ = await run([Session(0, 0, turns, think_s=think)], Arrivals("trace"), scale)
     assert [r.turn for r in records] == [0, 1, 2]
     assert all(r.ok for r in records), [r.error for r in records]
@@ -150,7 +154,7 @@ async def test_a_later_turn_is_due_when_the_previous_answer_ended_plus_think_tim
 
 async def test_closed_loop_a_session_is_due_when_its_slot_became_free() -> None:
     block = 0.03
-    sessions = [Session(i, i, (SlowTurn(MESSAGES, 1, block),)) for i in range(3)]
+    sessions = [Session(i, i, (SlowTurn(MESSAGES, 1, block_s=block),)) for i in range(3)]
     records, _ = await run(sessions, Arrivals("closed", concurrency=1))
     assert [r.session for r in records] == [0, 1, 2]
     assert records[0].scheduled_s == 0.0

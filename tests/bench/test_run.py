@@ -231,7 +231,7 @@ def test_a_failed_policy_is_marked_failed_in_the_report(tmp_path: Path) -> None:
     write_outputs(document, tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert (
-        "| broken | - | - | - | - | - | - | - | - | 3 | 3 | - | - | - / - / - |"
+        "| broken | - | - | - | - | - | - | - | - | 3 | 3 | - | - | - | - / - / - |"
         " **FAILED**: ProcessFailed" in report
     )
     assert "| good | 0.500 |" in report
