@@ -139,7 +139,7 @@ def tenants_summary(
             "offered_tokens_per_s_burst": offered / length if length > 0 else None,
             "served_tokens_per_s_burst": served / length if length > 0 else None,
         }
-    jain_fair = jain_raw = None
+    jain_fair = jain_raw = jain_band = None
     if length > 0:
         total = sum(t["served_tokens_per_s_burst"] for t in by_tenant.values())
         shares = fair_shares(
@@ -152,6 +152,33 @@ def tenants_summary(
         ratios = [t["of_fair_share"] for t in by_tenant.values() if t["of_fair_share"] is not None]
         jain_fair = jain(ratios)
         jain_raw = jain([t["served_tokens_per_s_burst"] for t in by_tenant.values()])
+        # The fairness strict priority bands promise: within each objective's band,
+        # the max-min split of what that band was served between the tenants'
+        # offers in it; a tenant's band share is the sum over bands.
+        band_share = dict.fromkeys(by_tenant, 0.0)
+        for objective in objectives:
+            offered_in: dict[str, float] = {}
+            served_in = 0.0
+            for tenant in by_tenant:
+                theirs = [
+                    r
+                    for r, h, _ in sent
+                    if dict(h).get(FAIRNESS_ID_HEADER) == tenant
+                    and dict(h).get(OBJECTIVE_HEADER) == objective
+                ]
+                offered_in[tenant] = output_len * sum(
+                    1 for r in theirs if start <= r.scheduled_s < end
+                )
+                served_in += sum(_tokens_within(r, start, end) for r in theirs)
+            for tenant, share in fair_shares(offered_in, served_in).items():
+                band_share[tenant] += share / length
+        for tenant, t in by_tenant.items():
+            share = band_share[tenant]
+            t["band_fair_share_tokens_per_s_burst"] = share
+            t["of_band_fair_share"] = t["served_tokens_per_s_burst"] / share if share else None
+        jain_band = jain(
+            [t["of_band_fair_share"] for t in by_tenant.values() if t["of_band_fair_share"]]
+        )
     records = [r for r, _, _ in sent]
     counts = [o["waited"] for o in by_objective.values()]
     out: dict[str, Any] = {
@@ -163,6 +190,7 @@ def tenants_summary(
         "burst_window_s": [start, end] if window is not None else None,
         "jain_burst": jain_fair,
         "jain_raw_burst": jain_raw,
+        "jain_band_burst": jain_band,
         "by_objective": by_objective,
         "by_tenant": by_tenant,
     }
@@ -190,7 +218,16 @@ def over_seeds_tenants(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     def put(target: dict[str, Any], key: str, values: Sequence[Any]) -> None:
         target[key], target[f"{key}_ci95"] = _mean(values)
 
-    for key in ("sent", "served", "shed", "failed", "waited", "jain_burst", "jain_raw_burst"):
+    for key in (
+        "sent",
+        "served",
+        "shed",
+        "failed",
+        "waited",
+        "jain_burst",
+        "jain_raw_burst",
+        "jain_band_burst",
+    ):
         put(out, key, [r[key] for r in runs])
     out["by_objective"] = {}
     for objective in runs[0]["by_objective"]:
@@ -281,11 +318,15 @@ def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = No
         "",
         "Per tenant, during the burst window: output tokens per second offered and"
         " served, the max-min fair share of what was served, and served / fair share;"
-        " Jain's index over the tenants' served / fair share.",
+        " Jain's index over the tenants' served / fair share. Then the same against"
+        " the fairness strict priority bands promise: in each objective's band, the"
+        " max-min split of what that band was served between the tenants' offers in"
+        " it, summed over the bands.",
         "",
         "| policy | tenant | offered tok/s | served tok/s | fair share tok/s | of fair share"
-        " | Jain's index |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        " | Jain's index | per-band fair share tok/s | of per-band fair share"
+        " | Jain's index (per band) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, t in with_tenants.items():
         for tenant, x in t["by_tenant"].items():
@@ -293,7 +334,9 @@ def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = No
                 f"| {name} | {tenant} | {_pm(x, 'offered_tokens_per_s_burst', '.0f')}"
                 f" | {_pm(x, 'served_tokens_per_s_burst', '.0f')}"
                 f" | {_pm(x, 'fair_share_tokens_per_s_burst', '.0f')}"
-                f" | {_pm(x, 'of_fair_share', '.3f')} | {_pm(t, 'jain_burst', '.3f')} |"
+                f" | {_pm(x, 'of_fair_share', '.3f')} | {_pm(t, 'jain_burst', '.3f')}"
+                f" | {_pm(x, 'band_fair_share_tokens_per_s_burst', '.0f')}"
+                f" | {_pm(x, 'of_band_fair_share', '.3f')} | {_pm(t, 'jain_band_burst', '.3f')} |"
             )
     lines += [
         "",

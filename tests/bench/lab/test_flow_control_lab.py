@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from bench.client import Record
 from bench.lab.run import FleetSpec, LabOptions, LabPolicy, build_workload, run_lab, run_once
-from bench.lab.tenants import fair_shares, jain
+from bench.lab.tenants import Sent, fair_shares, jain, tenants_summary
 from bench.workloads import (
     BURST_FACTOR,
     BURST_WINDOW,
@@ -161,3 +162,36 @@ def test_fair_shares_and_jain() -> None:
     assert fair_shares({"a": 80.0, "b": 90.0}, 100.0) == {"a": 50.0, "b": 50.0}
     assert jain([1.0, 1.0]) == 1.0
     assert jain([1.0, 0.0]) == 0.5
+
+
+def test_the_per_band_fair_share_is_what_strict_priority_promises() -> None:
+    # During a 10 s window the bursty tenant sends 4 critical requests, the steady
+    # one 1 critical and 2 batch; the critical band is served in full, the batch band
+    # not at all (the bursty tenant's critical requests took the capacity).
+    def request(n: int, tenant: str, objective: str, served: bool) -> Sent:
+        record = Record(session=n, turn=0, group=0, scheduled_s=1.0 + n / 10)
+        if served:
+            record.ok, record.ttft_s, record.e2e_s, record.output_tokens = True, 0.1, 1.1, 10
+        headers = ((FAIRNESS_ID_HEADER, tenant), (OBJECTIVE_HEADER, objective))
+        return record, headers, None
+
+    sent = [
+        *(request(n, "bursty", "critical", True) for n in range(4)),
+        request(4, "steady", "critical", True),
+        request(5, "steady", "batch", False),
+        request(6, "steady", "batch", False),
+    ]
+    summary = tenants_summary(sent, (0.0, 10.0), {}, output_len=10)
+    steady = summary["by_tenant"]["steady"]
+    bursty = summary["by_tenant"]["bursty"]
+    # Across tenants: 50 tokens served, steady offered 30 of them, so its max-min
+    # share is 25 (half): it got 10.
+    assert steady["fair_share_tokens_per_s_burst"] == pytest.approx(2.5)
+    assert steady["of_fair_share"] == pytest.approx(0.4)
+    # Per band: the critical band's 50 tokens split by the offers there (10 and 40)
+    # give steady its 10; the batch band served nothing, so nothing is owed there.
+    assert steady["band_fair_share_tokens_per_s_burst"] == pytest.approx(1.0)
+    assert steady["of_band_fair_share"] == pytest.approx(1.0)
+    assert bursty["of_band_fair_share"] == pytest.approx(1.0)
+    assert summary["jain_band_burst"] == pytest.approx(1.0)
+    assert summary["jain_burst"] < 1.0
