@@ -77,6 +77,7 @@ from bench.client import (
     trace_speed,
 )
 from bench.lab.tenants import over_seeds_tenants, tenants_summary
+from bench.lab.workload import capacity_rps, from_workload
 from bench.peers import PeerKind, ensure_peer_venv, parse_peer, start_peer
 from bench.provenance import portable_path, provenance
 from bench.stack import (
@@ -102,7 +103,11 @@ from bench.workloads import (
     load_words,
     token_sequences,
 )
+from epp.config.errors import Problems
+from epp.config.flowcontrol import feature_gates
+from epp.durations import parse_duration
 from epp.sources.metrics import read_series
+from sim.latency import LatencyModel
 
 CONFIG_DIR = ROOT / "manifests" / "config"
 MODEL = "sim-model"
@@ -932,19 +937,12 @@ def fleet_capacity_rps(workload: Workload, words: Words, pods: int) -> float:
     compute roofline; pods / the mean), with the step-time model the simulated
     pods run (`sim.latency.LatencyModel`'s defaults: `python -m sim` changes only
     its KV-transfer figures, which the capacity does not use)."""
-    from bench.lab.workload import capacity_rps, from_workload
-    from sim.latency import LatencyModel
-
     return capacity_rps(from_workload(workload, words), pods, LatencyModel())
 
 
 def flow_control_ttl(config: Path) -> float | None:
     """Flow control's queue-wait budget in seconds (`defaultRequestTTL`, 60 s when
     unset; math.inf for 0s: no TTL), or None when the config's gate is off."""
-    from epp.config.errors import Problems
-    from epp.config.flowcontrol import feature_gates
-    from epp.durations import parse_duration
-
     document = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     gates, _ = feature_gates(document.get("featureGates"), Problems())
     if not gates.get("flowControl"):
@@ -968,8 +966,6 @@ def scaled_config(text: str, scale: float) -> str:
     runs on wall time while the pods run `scale` times slower than real time: a TTL
     of 30 s would be 30 / scale simulated seconds, so a run at --time-scale 10 would
     shed after 3 s of simulated waiting what the lab lets wait 30."""
-    from epp.durations import parse_duration
-
     document = yaml.safe_load(text)
     section = document.setdefault("flowControl", {}) or {}
     document["flowControl"] = section

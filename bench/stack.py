@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import yaml
 
+from epp.durations import parse_duration
+
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_YAML = ROOT / "manifests" / "envoy" / "envoy.yaml"
 # Lean mode: the response bypasses the EPP; Envoy's access log tells it requests ended.
@@ -301,8 +303,6 @@ def _seconds(value: Any, default: float) -> float:
     """A protobuf duration of an Envoy config ("1000s", "0.5s"), `default` when absent."""
     if value is None:
         return default
-    from epp.durations import parse_duration
-
     return parse_duration(str(value))
 
 
