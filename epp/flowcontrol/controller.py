@@ -212,7 +212,10 @@ class FlowController:
         leaving (epp/extproc/server.py)."""
         now = self.clock()
         band = self._band(priority)
-        why = band.fits(byte_size) or self._global_room(byte_size)
+        why = band.fits(byte_size)
+        while why is not None and self._push_out_of_longest(band, flow_id):
+            why = band.fits(byte_size)
+        why = why or self._global_room(byte_size)
         if why is not None:
             self._left("rejected", priority, flow_id, 0.0)
             raise QueueFull(f"flow control cannot queue the request: {why}; retry later")
@@ -253,6 +256,29 @@ class FlowController:
                 self.picked(item)
             raise
         return item
+
+    def _push_out_of_longest(self, band: Band, flow_id: str) -> bool:
+        """A full band makes room for a request of `flow_id` by shedding the newest
+        request of its longest flow, if that flow holds more than `flow_id` would
+        with the request: the band's bound is shared by its flows, and refusing the
+        newcomer instead would let a flooding tenant shed everyone else's requests
+        as often as its own. False when no flow holds more (the newcomer is shed)."""
+        longest = band.longest_flow()
+        mine = band.flows.get(flow_id)
+        if longest is None or len(longest) <= (len(mine) if mine is not None else 0) + 1:
+            return False
+        newest = max(longest.items(), key=lambda item: item.seq)
+        self._take_out(newest, ItemState.REJECTED, "rejected")
+        future: asyncio.Future[None] = newest.meta[_FUTURE]
+        if not future.done():
+            future.set_exception(
+                QueueFull(
+                    f"flow control cannot keep the request: priority band {band.priority}"
+                    f" is full and its flow holds the most of it ({len(longest) + 1}"
+                    " requests); retry later"
+                )
+            )
+        return True
 
     def _global_room(self, byte_size: int) -> str | None:
         s = self.settings

@@ -142,6 +142,10 @@ class Band:
         if not flow:
             del self.flows[flow.flow_id]
 
+    def longest_flow(self) -> FlowQueue | None:
+        """The flow holding the most requests (ties: the one that came first)."""
+        return max(self.flows.values(), key=len, default=None)
+
     def active_flows(self) -> list[FlowQueue]:
         """The non-empty flows, sorted by flow id (what fairness policies get)."""
         return [self.flows[k] for k in sorted(self.flows)]

@@ -143,6 +143,37 @@ async def test_a_full_band_sheds_at_once_with_429_retry_after_and_a_clear_body()
     await settle()
 
 
+async def test_a_full_band_sheds_from_the_flow_that_holds_the_most_of_it() -> None:
+    rig = make_rig(band=template(max_requests=4))
+    hold(rig)
+    flood = [rig.submit(f"bursty-{i}", flow="bursty") for i in range(3)]
+    steady = rig.submit("steady-0", flow="steady")
+    await settle()
+    assert rig.controller.queued == 4
+    # The band is full: a steady request pushes out the flooding tenant's newest.
+    second = rig.submit("steady-1", flow="steady")
+    await settle()
+    assert flood[2].done()
+    with pytest.raises(QueueFull, match="its flow holds the most of it"):
+        flood[2].result()
+    assert [t.done() for t in (flood[0], flood[1], second)] == [False, False, False]
+    assert rig.controller.queued == 4
+    # Now both hold two: a newcomer of either flow is shed itself.
+    with pytest.raises(QueueFull, match="priority band 0 holds its maximum of 4 requests"):
+        await rig.controller.admit("steady-2", 0, "steady", 10)
+    with pytest.raises(QueueFull, match="priority band 0 holds its maximum of 4 requests"):
+        await rig.controller.admit("bursty-3", 0, "bursty", 10)
+    assert sample(rig, "epp_flow_control_requests_total", outcome="rejected", priority="0",
+                  fairness_id="bursty") == 2  # fmt: skip
+    # The others are served in their turn.
+    release(rig)
+    await settle()
+    assert sorted(rig.dispatched) == ["bursty-0", "bursty-1", "steady-0", "steady-1"]
+    for task in [*flood, steady, second]:
+        task.cancel()
+    await settle()
+
+
 async def test_the_byte_bound_and_the_global_bound_shed_too() -> None:
     rig = make_rig(band=template(max_bytes=100))
     hold(rig)
