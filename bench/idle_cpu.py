@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import Arrivals, drive, is_shed
-from bench.provenance import provenance
+from bench.provenance import commit_label, produced_by, provenance
 from bench.runner import (
     FC_PASSES,
     MODEL,
@@ -254,15 +254,9 @@ def markdown(document: dict[str, Any]) -> str:
     lines = [
         "# The EPP's CPU while idle: flow control off and on",
         "",
-        "Produced by:",
-        "",
-        "```sh",
-        document["command"],
-        "```",
-        "",
+        *produced_by(document),
         f"{setup['pods']} simulated pods, `epp serve` and Envoy as `bench run` starts them;"
-        f" {document['machine']['cpus']} CPUs; commit {document.get('commit') or 'unknown'}"
-        f"{' (with uncommitted changes)' if document.get('dirty') else ''}. Each window:"
+        f" {document['machine']['cpus']} CPUs; commit {commit_label(document)}. Each window:"
         f" nothing sent for {setup['idle_s']:g} s (after {setup['settle_s']:g} s of"
         " settling), the EPP process's CPU seconds (user + system, all threads, from"
         " /proc) over the window's wall seconds; 100% = one core. Its idle work is its"

@@ -71,3 +71,15 @@ def provenance(command: str) -> dict[str, Any]:
             "load_average_1m": round(os.getloadavg()[0], 2),
         },
     }
+
+
+def produced_by(document: dict[str, Any]) -> list[str]:
+    """A report's opening lines after its title: the command that produced the
+    result file `document` (a `provenance` dict merged in), in a shell block."""
+    return ["Produced by:", "", "```sh", document["command"], "```", ""]
+
+
+def commit_label(document: dict[str, Any]) -> str:
+    """The result's commit for a report, marked when tracked files differed."""
+    commit = document.get("commit") or "unknown"
+    return commit + (" (with uncommitted changes)" if document.get("dirty") else "")

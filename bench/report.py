@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt  # after use("Agg")
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from bench.lab.tenants import report_lines as tenants_report
+from bench.provenance import commit_label, produced_by
 
 
 def _fmt(value: Any, spec: str, unit: str = "") -> str:
@@ -204,18 +205,11 @@ def report_markdown(document: dict[str, Any], plots: Sequence[str]) -> str:
     params = ", ".join(f"{k}={v}" for k, v in workload["params"].items())
     last = document["ladder"][-1]["label"] if document["ladder"] else ""
     repeats = setup.get("repeats") or 1
-    commit = document.get("commit") or "unknown"
-    if document.get("dirty"):
-        commit += " (with uncommitted changes)"
+    commit = commit_label(document)
     lines = [
         f"# Routing benchmark: {workload['name']}",
         "",
-        "Produced by:",
-        "",
-        "```sh",
-        document["command"],
-        "```",
-        "",
+        *produced_by(document),
         f"- workload: `{workload['name']}` ({params}): {workload['requests']} requests,"
         f" {workload['prompt_tokens']:,} prompt tokens",
         f"- fleet: {setup['pods']} simulated vLLM pods (`python -m sim`{_roles(setup)}), time scale"

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench.lab.tenants import report_lines as tenants_report
+from bench.provenance import produced_by
 
 
 def _pm(result: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
@@ -78,12 +79,7 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
     lines = [
         f"# Routing lab: {workload['name']}, {setup['pods']} pods, {setup['load_label']}",
         "",
-        "Produced by:",
-        "",
-        "```sh",
-        document["command"],
-        "```",
-        "",
+        *produced_by(document),
         f"- {workload['requests']} requests, {setup['seeds']} seeds ({setup['seed_list']}),"
         f" every policy from a cold fleet on each seed; capacity (no cache hit) "
         f"{setup['capacity_rps']:.2f} req/s, offered {setup['rate_rps']:.2f} req/s"
