@@ -76,6 +76,10 @@ class EndpointMetrics:
     error: str | None = None
     # The latest scrape was refused (or had no route): stale now, whatever the age.
     unreachable: bool = False
+    # The endpoint's `routed` count when the scrape that read these values was sent:
+    # the requests routed there since are not in `waiting_requests` yet
+    # (`Endpoint.unseen_routed`).
+    routed_seen: int = 0
 
     # `now` is always the caller's (its clock's): a snapshot's age is never read
     # from the wall clock behind a simulation's back.
@@ -97,7 +101,7 @@ class Endpoint:
     """One model-server endpoint. Compared and hashed by identity: a scorer's result
     maps `Endpoint` objects to scores."""
 
-    __slots__ = ("in_flight", "metrics", "ready", "spec")
+    __slots__ = ("in_flight", "metrics", "ready", "routed", "spec")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.spec = spec
@@ -106,6 +110,18 @@ class Endpoint:
         # Requests the EPP sent here that have not finished yet: fresher than any
         # scraped queue length, so a burst between two scrapes is still seen.
         self.in_flight = 0
+        # Requests the EPP ever sent here (never decreases): with
+        # `metrics.routed_seen`, the ones its latest scrape cannot have counted.
+        self.routed = 0
+
+    @property
+    def unseen_routed(self) -> int:
+        """Requests sent here after the scrape behind `metrics` was sent: not in its
+        waiting count yet, though most are waiting (or just admitted) by now. What a
+        reader adds to the scraped queue so that a burst dispatched between two
+        scrapes counts at once (a new endpoint object starts from zero, as does its
+        first snapshot)."""
+        return max(0, self.routed - self.metrics.routed_seen)
 
     @property
     def name(self) -> str:
@@ -207,6 +223,7 @@ class Datastore:
     @staticmethod
     def acquire(endpoint: Endpoint) -> None:
         endpoint.in_flight += 1
+        endpoint.routed += 1
 
     @staticmethod
     def release(endpoint: Endpoint) -> None:

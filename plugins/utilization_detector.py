@@ -5,6 +5,16 @@ Per endpoint, with q its waiting requests, u its KV cache usage, Q =
 
     load = max(q / Q, u / K)
 
+where q is the scraped waiting count plus the requests this EPP sent there after
+that scrape was sent (`Endpoint.unseen_routed`). Without them, everything sent in
+the time a request takes to reach the engine and the next scrape to come back is
+invisible: a gate that opens lets through hundreds of requests before it sees the
+first of them (measured through Envoy: pods with 80 waiting behind a threshold of
+3, the pool then closed for seconds while they drained). Most of them are still
+waiting when counted; those the engine admitted at once are over-counted until
+the next scrape, which errs towards holding back for one scrape interval. GIE's
+detector reads the scraped count alone.
+
 An endpoint whose metrics are older than `metricsStalenessThreshold` (default
 200ms, GIE's; metrics are scraped every 50 ms) counts as fully loaded (1.0): it is
 not known to have room. A fact the engine does not report (KV usage on Triton) is
@@ -71,7 +81,8 @@ class UtilizationDetector:
             return 1.0
         ratios = []
         if WAITING not in metrics.missing:
-            ratios.append(metrics.waiting_requests / self.queue_threshold)
+            waiting = metrics.waiting_requests + endpoint.unseen_routed
+            ratios.append(waiting / self.queue_threshold)
         if KV_CACHE_USAGE not in metrics.missing:
             ratios.append(metrics.kv_cache_usage / self.kv_threshold)
         return max(ratios) if ratios else 1.0
@@ -110,7 +121,10 @@ class UtilizationDetector:
                 continue
             if WAITING in metrics.missing and KV_CACHE_USAGE in metrics.missing:
                 continue  # nothing known about its load
-            if WAITING not in metrics.missing and metrics.waiting_requests >= queue_limit:
+            if (
+                WAITING not in metrics.missing
+                and metrics.waiting_requests + e.unseen_routed >= queue_limit
+            ):
                 continue
             if KV_CACHE_USAGE not in metrics.missing and metrics.kv_cache_usage >= kv_limit:
                 continue

@@ -13,8 +13,10 @@ lab does instead of the network:
   has ended at the client (in-flight counts and post-response plugins).
 - **Metrics**: every pod is scraped every `metrics_interval_s`, each pod at its own
   phase of the interval; a scrape reads the pod's state at that moment and lands
-  in the datastore `metrics_latency_s` later. The datastore is brought up to date
-  only when a pick is about to read it, which is when it matters.
+  in the datastore `metrics_latency_s` later, with the endpoint's routed count as
+  of that moment (`EndpointMetrics.routed_seen`, from the times of the picks that
+  chose it). The datastore is brought up to date only when a pick is about to read
+  it, which is when it matters.
 - **Roles**: each pod's role is its `llm-d.ai/role` label in the datastore, as an
   endpoints file or Kubernetes gives it, for the role filters of a P/D config; a
   disaggregated decision names the prefill pod in its `x-prefiller-host-port`
@@ -40,6 +42,7 @@ lab does instead of the network:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import math
 import random
@@ -51,7 +54,7 @@ from typing import Any
 from bench.lab.loop import EventLoop
 from bench.lab.pod import LabPod
 from epp.config import load_config
-from epp.datastore import Datastore, EndpointMetrics, EndpointSpec
+from epp.datastore import Datastore, Endpoint, EndpointMetrics, EndpointSpec
 from epp.director import Decision, Director
 from epp.errors import EppError
 from epp.flowcontrol import QueueItem
@@ -124,6 +127,25 @@ class Delays:
         return asdict(self)
 
 
+class _LabDatastore(Datastore):
+    """The datastore, remembering when each endpoint was chosen (the virtual time of
+    every `acquire`), so that a scrape landing late can tell how many of them it
+    was sent after."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__()
+        self._clock = clock
+        self.routed_at: dict[Endpoint, list[float]] = {}
+
+    def acquire(self, endpoint: Endpoint) -> None:  # type: ignore[override]
+        Datastore.acquire(endpoint)
+        self.routed_at.setdefault(endpoint, []).append(self._clock())
+
+    def routed_by(self, endpoint: Endpoint, at: float) -> int:
+        """How many requests had been routed to `endpoint` by virtual time `at`."""
+        return bisect.bisect_right(self.routed_at.get(endpoint, ()), at)
+
+
 class LabEpp:
     """One EPP process's scheduling side over the lab's pods."""
 
@@ -143,7 +165,7 @@ class LabEpp:
         self.loop = loop
         self.delays = delays
         self.pods = list(pods)
-        self.datastore = Datastore()
+        self.datastore = _LabDatastore(loop.clock)
         self.datastore.replace_all(
             EndpointSpec(p.name, p.address, labels={ROLE_LABEL: p.role} if p.role else {})
             for p in pods
@@ -246,9 +268,12 @@ class LabEpp:
             self._scraped[i] = k
             taken = self._phases[i] + k * interval
             state = pod.state_at(taken)
+            endpoint = self.endpoints[i]
+            assert endpoint is not None
             self.datastore.set_metrics(
                 pod.name,
                 EndpointMetrics(
+                    routed_seen=self.datastore.routed_by(endpoint, taken),
                     waiting_requests=state.waiting,
                     running_requests=state.running,
                     kv_cache_usage=state.kv_usage,

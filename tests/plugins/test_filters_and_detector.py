@@ -85,6 +85,25 @@ def test_stale_or_unknown_endpoints_count_as_saturated() -> None:
     assert d.saturation(pool(queue_only)) == pytest.approx(0.2)
 
 
+def test_requests_routed_after_the_scrape_count_as_waiting() -> None:
+    # The scrape saw 1 waiting when 4 requests had been routed here; 3 more went
+    # since, so the queue is read as 4 (of a threshold of 5) until the next scrape.
+    d = detector()
+    (endpoint,) = pool(aged(0.0, waiting_requests=1, routed_seen=4))
+    endpoint.routed = 7
+    assert endpoint.unseen_routed == 3
+    assert d.saturation([endpoint]) == pytest.approx(4 / 5)
+    assert d.dispatch_saturation([endpoint]) == pytest.approx(4 / 5)
+    assert list(d.filter(make_request(), CycleState(), [endpoint])) == [endpoint]
+    endpoint.routed = 8  # a fifth: at the threshold, filtered out (fail open aside)
+    (other,) = pool(aged(0.0))
+    assert list(d.filter(make_request(), CycleState(), [endpoint, other])) == [other]
+    # The next scrape, sent after all 8, takes them over: its own count is the truth.
+    endpoint.metrics = aged(0.0, waiting_requests=2, routed_seen=8)
+    assert endpoint.unseen_routed == 0
+    assert d.saturation([endpoint]) == pytest.approx(2 / 5)
+
+
 def test_detector_filter_keeps_endpoints_under_their_limits() -> None:
     ok, long_queue, full_kv, old = pool(
         aged(0.0, waiting_requests=4, kv_cache_usage=0.79),

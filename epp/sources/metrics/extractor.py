@@ -72,8 +72,10 @@ class MetricsExtractor:
         *,
         now: float = 0.0,
         staleness_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds,
+        routed_seen: int = 0,
     ) -> EndpointMetrics:
-        """The snapshot for a page scraped at `now`; PageError if unusable."""
+        """The snapshot for a page scraped at `now`, whose scrape was sent when the
+        endpoint's `routed` count was `routed_seen`; PageError if unusable."""
         engine = self.engine_for(endpoint)
         if engine.name in self._single_pass:
             single_pass = self._single_pass[engine.name]
@@ -86,4 +88,9 @@ class MetricsExtractor:
         values = single_pass.read(data) if single_pass is not None else None
         if values is None:
             values = read_page(data, engine, self._read_cache)
-        return EndpointMetrics(updated_at=now, staleness_s=staleness_s, **values)  # type: ignore[arg-type]
+        return EndpointMetrics(
+            updated_at=now,
+            staleness_s=staleness_s,
+            routed_seen=routed_seen,
+            **values,  # type: ignore[arg-type]
+        )

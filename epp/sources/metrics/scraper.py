@@ -80,6 +80,9 @@ class _Target:
     # The scraper's clock at its start, for its duration: the loop's clock above
     # drives ticks and timeouts, this one is the time facts are dated by.
     began_at: float | None = None
+    # The endpoint's `routed` count when the scrape in progress was sent: what the
+    # snapshot it produces has seen (`EndpointMetrics.routed_seen`).
+    routed_at_begin: int = 0
     last_page: bytes | None = None
     failing: bool = False
     last_error: str | None = None
@@ -243,6 +246,7 @@ class MetricsScraper:
     def _begin(self, target: _Target, now: float) -> None:
         target.started_at = now
         target.began_at = self.clock()
+        target.routed_at_begin = target.endpoint.routed
         try:
             if target.fetcher is not None:
                 target.fetcher.request()
@@ -339,13 +343,20 @@ class MetricsScraper:
             return
         if page == target.last_page and not target.failing:
             # The same page as last time (an idle pod): same facts, fresh time.
-            if self._store(target, dataclasses.replace(endpoint.metrics, updated_at=now)):
+            snapshot = dataclasses.replace(
+                endpoint.metrics, updated_at=now, routed_seen=target.routed_at_begin
+            )
+            if self._store(target, snapshot):
                 self._timed(target)
             self.results["unchanged"] += 1
             return
         try:
             snapshot = self.extractor.extract(
-                page, endpoint, now=now, staleness_s=self.settings.staleness_s
+                page,
+                endpoint,
+                now=now,
+                staleness_s=self.settings.staleness_s,
+                routed_seen=target.routed_at_begin,
             )
         except PageError as exc:
             target.last_page = None

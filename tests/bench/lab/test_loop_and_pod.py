@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import pytest
 
+from bench.lab.epp import Delays, LabEpp
 from bench.lab.loop import EventLoop
 from bench.lab.pod import LabPod
 from epp.clock import VirtualClock
+from epp.scheduling.registry import PluginRegistry
 from sim.engine import EngineConfig, TokenOutput
 from sim.kv_events import BlockStored, KVEvent
 from sim.latency import LatencyModel
@@ -105,3 +108,36 @@ def test_a_finished_request_lets_go_of_its_client() -> None:
     del out
     assert client() is None
     assert request.output_token_ids == [7, 8, 9, 7, 8]
+
+
+def test_a_scrape_landing_late_has_seen_the_picks_before_it_was_taken() -> None:
+    # The lab brings metrics up to date lazily, at the next pick: the scrape it then
+    # lands was taken earlier, and has seen only the picks routed before that moment
+    # (what `utilization-detector` adds the rest of to the scraped queue).
+    config = Path(__file__).resolve().parents[3] / "manifests" / "config" / "round-robin.yaml"
+    loop = EventLoop(VirtualClock(0.0))
+    pod = LabPod(0, EngineConfig(block_size=16, num_gpu_blocks=200), [7, 8, 9], loop)
+    epp = LabEpp(
+        config.read_text(),
+        str(config),
+        [pod],
+        loop,
+        Delays(metrics_interval_s=0.05, metrics_latency_s=0.002),
+        seed=0,
+        registry=PluginRegistry.from_entry_points(),
+    )
+    body = b'{"model": "m", "prompt": "hello"}'
+    try:
+        (endpoint,) = epp.datastore.ready_endpoints()
+        assert epp.pick("a", "/v1/completions", body) is not None
+        loop.clock.set(1.0)
+        assert epp.pick("b", "/v1/completions", body) is not None  # lands a scrape of ~0.95+
+        assert (endpoint.routed, endpoint.metrics.routed_seen, endpoint.unseen_routed) == (2, 1, 1)
+        loop.clock.set(1.0 + 0.001)
+        assert epp.pick("c", "/v1/completions", body) is not None  # no newer scrape yet
+        assert (endpoint.metrics.routed_seen, endpoint.unseen_routed) == (1, 2)
+        loop.clock.set(1.2)
+        epp.pick("d", "/v1/completions", body)  # lands one taken after "b" and "c"
+        assert endpoint.metrics.routed_seen == 3
+    finally:
+        epp.close()

@@ -68,8 +68,14 @@ class Fleet:
         return asyncio.get_running_loop().create_task(self.director.pick_endpoint(request))
 
     def scrape(self, name: str, waiting: int) -> None:
+        """A scrape sent and answered now: it has seen every request routed so far."""
+        endpoint = self.datastore.get(name)
+        assert endpoint is not None
         self.datastore.set_metrics(
-            name, EndpointMetrics(waiting_requests=waiting, updated_at=self.clock())
+            name,
+            EndpointMetrics(
+                waiting_requests=waiting, updated_at=self.clock(), routed_seen=endpoint.routed
+            ),
         )
 
 
@@ -128,6 +134,32 @@ async def test_higher_priority_objectives_go_first() -> None:
         current = done.result()
     names = {batch.get_name(): "batch", chat.get_name(): "chat", plain.get_name(): "plain"}
     assert [names[n] for n in order] == ["chat", "plain", "batch"]
+
+
+async def test_the_gate_counts_what_it_let_through_before_the_next_scrape() -> None:
+    # Two pods, queue threshold 3, both scraped empty a moment ago. Without counting
+    # the requests routed since that scrape, the gate would read 0.0 until the next
+    # one and let all twelve through at once (through Envoy: pods 80 deep).
+    config = CONFIG.replace("{staleMaxConcurrency: 1}", "{queueDepthThreshold: 3}")
+    fleet = Fleet(config, pods=2)
+    for name in ("pod-0", "pod-1"):
+        fleet.scrape(name, waiting=0)
+    tasks = [fleet.pick(f"r{i}") for i in range(12)]
+    await settle()
+    assert sum(t.done() for t in tasks) == 6  # mean (unseen / 3) reaches 1.0
+    assert fleet.controller.queued == 6
+    fleet.controller.notify()  # a request's end: still nothing new from the pods
+    await settle()
+    assert fleet.controller.queued == 6
+    # The next scrapes: each engine admitted all but one of its three.
+    for name in ("pod-0", "pod-1"):
+        fleet.scrape(name, waiting=1)
+    fleet.controller.notify()  # the recheck pass after the refresh interval
+    await settle()
+    # Two more each would make (1 + 2) / 3 = 1.0; the pass may overshoot that by a
+    # pick still under way (not yet on an endpoint, so not yet counted).
+    assert 1 <= fleet.controller.queued <= 2
+    assert 10 <= sum(e.routed for e in fleet.datastore.ready_endpoints()) <= 11
 
 
 async def test_a_scrape_outage_does_not_freeze_dispatch() -> None:

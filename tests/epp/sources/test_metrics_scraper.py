@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -317,3 +318,24 @@ async def test_a_slow_scrape_is_not_doubled_and_a_short_timeout_needs_no_tick(
         assert time.monotonic() - asked < 1.0  # the next tick is 2 s after the request
         assert "no answer within 0.1s" in (run.endpoint("pod").metrics.error or "")
         assert sample(registry, "epp_metrics_scrapes_total", {"result": "timeout"}) == 1
+
+
+@pytest.mark.parametrize("http_client", ["fast", "aiohttp"])
+async def test_a_snapshot_knows_the_requests_routed_after_its_scrape_was_sent(
+    servers: list[MetricsServer], http_client: str
+) -> None:
+    # One request is routed to the pod while each scrape is out (as it reaches the
+    # server): the page cannot count it, so the snapshot must not claim to have
+    # seen it, whether the page changed (the first) or not (the later ones).
+    settings = dataclasses.replace(FAST, http_client=http_client)
+    async with scraping({"pod": servers[0]}, settings) as (run, registry):
+        endpoint = run.endpoint("pod")
+        for _ in range(3):
+            Datastore.acquire(endpoint)  # before any scrape: seen by the first
+        servers[0].on_request = lambda: Datastore.acquire(endpoint)
+        await run.until(lambda: endpoint.metrics.updated_at > 0)
+        assert endpoint.metrics.routed_seen >= 3
+        await run.until(lambda: endpoint.metrics.routed_seen >= 6)
+        assert sample(registry, "epp_metrics_scrapes_total", {"result": "unchanged"}) > 0
+        assert endpoint.routed - endpoint.metrics.routed_seen in (1, 2)
+        assert endpoint.unseen_routed == endpoint.routed - endpoint.metrics.routed_seen
