@@ -104,6 +104,9 @@ class AdminServer:
                 # trusted: reason, error, missing.
                 "metrics": describe_metrics(endpoint.metrics, now),
                 "inFlight": endpoint.in_flight,
+                # Routed here since the scrape behind `metrics` was sent: what the
+                # utilization detector adds to its waiting count.
+                "routedSinceScrape": endpoint.unseen_routed,
             }
             # Facts the services and plugins of the running config add (index state).
             for describer in describers:

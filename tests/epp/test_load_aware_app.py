@@ -119,6 +119,13 @@ async def test_a_saturated_pool_sheds_sheddable_requests_and_serves_the_rest(
     assert await status_of(epp, {OBJECTIVE: "interactive"}) == "routed"
     assert await status_of(epp, {OBJECTIVE: "unknown"}) == "routed"  # unknown: priority 0
     assert await epp.metric("epp_requests_total", {"outcome": "shed"}) == 1
+
+    async def all_seen() -> bool:
+        # The three routed requests count as waiting until a scrape sent after
+        # them comes back (utilization-detector adds them to the scraped queue).
+        return all(e["routedSinceScrape"] == 0 for e in await epp.debug_endpoints())
+
+    await until(all_seen)
     # /debug/explain says why, with the scores the request would have had.
     query = {"path": "/v1/completions", "headers": {OBJECTIVE: "batch"}, "body": json.loads(BODY)}
     async with epp.http.post(f"{epp.admin_url}/debug/explain", json=query) as response:
