@@ -8,9 +8,9 @@ Per endpoint, with q its waiting requests, u its KV cache usage, Q =
 where q is the scraped waiting count plus the requests this EPP sent there after
 that scrape was sent (`Endpoint.unseen_routed`). Without them, everything sent in
 the time a request takes to reach the engine and the next scrape to come back is
-invisible: a gate that opens lets through hundreds of requests before it sees the
-first of them (measured through Envoy: pods with 80 waiting behind a threshold of
-3, the pool then closed for seconds while they drained). Most of them are still
+invisible: a gate that opens lets requests through faster than it can see them,
+the engines' queues grow far past the threshold, and the gate then stays shut
+while they drain (docs/flow-control.md, "Semantics"). Most of them are still
 waiting when counted; those the engine admitted at once are over-counted until
 the next scrape, which errs towards holding back for one scrape interval. GIE's
 detector reads the scraped count alone.
