@@ -91,6 +91,10 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel")
     socket_port: _Port | None = None
     replay_port: _Port | None = None
     replay_timeout: Duration = "2s"
+    # After live batches, this long without another: ask the replay socket whether
+    # the last ones were dropped (a PUB socket at its high-water mark drops the
+    # newest without a trace). "0s": never ask.
+    tail_check: Duration = "1s"
     reconnect_interval: Duration = "100ms"
     reconnect_interval_max: Duration = "5s"
 
@@ -306,6 +310,7 @@ class PrecisePrefixService:
                 port=events.socket_port,
                 replay_port=events.replay_port,
                 replay_timeout_s=parse_duration(events.replay_timeout),
+                tail_check_s=parse_duration(events.tail_check),
                 reconnect_interval_s=parse_duration(events.reconnect_interval),
                 reconnect_interval_max_s=parse_duration(events.reconnect_interval_max),
             ),

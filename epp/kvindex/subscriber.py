@@ -98,6 +98,9 @@ class SubscriberSettings:
     reconnect_interval_s: float = 0.1
     reconnect_interval_max_s: float = 5.0
     heartbeat_s: float = 5.0  # 0: no ZMTP heartbeats
+    # After live batches, this long without another: ask the replay socket whether
+    # the stream's last batches were lost (0: never ask).
+    tail_check_s: float = 1.0
     receive_hwm: int = 100_000  # vLLM's default PUB high-water mark
     drain_batch: int = 64
 
@@ -108,7 +111,9 @@ class StreamStatus:
     last_seq: int | None = None  # the last batch applied
     live_seq: int | None = None  # the highest seq seen on the live socket
     messages: int = 0
-    gaps: int = 0
+    gaps: int = 0  # seq gaps, and tails found lost (`tail_losses`)
+    tail_checks: int = 0
+    tail_losses: int = 0  # a tail check found batches never received
     replays: int = 0
     replay_failures: int = 0  # no answer, or nothing usable
     partial_replays: int = 0  # the buffer no longer reached back far enough
@@ -197,6 +202,7 @@ class KVEventStream:
         self._log_once = log_once
         self._last_digest: int | None = None
         self._suspect = False  # reconnected: verify continuity before trusting it
+        self._tail_unchecked = False  # live batches came since the last tail check
 
     @property
     def label(self) -> str:
@@ -234,8 +240,13 @@ class KVEventStream:
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
+            tail_check_ms = round(self.settings.tail_check_s * 1000)
             while True:
-                ready = dict(await poller.poll())
+                quiet = tail_check_ms if self._tail_unchecked and tail_check_ms > 0 else None
+                ready = dict(await poller.poll(quiet))
+                if not ready:
+                    await self._check_tail()
+                    continue
                 if monitor in ready:
                     await self._monitor(monitor_receiver)
                 if sub in ready:
@@ -287,6 +298,7 @@ class KVEventStream:
                 frames = receiver.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._tail_unchecked = True
             await self.handle(frames)
         # More may be waiting: let requests run first.
         await asyncio.sleep(0)
@@ -423,6 +435,32 @@ class KVEventStream:
         status.lag.observe(lag)
 
     # -- recovery -----------------------------------------------------------------------
+
+    async def _check_tail(self) -> None:
+        """The stream went quiet after live batches: ask the replay socket for what
+        follows the last batch applied. A PUB socket at its high-water mark drops
+        the newest batches without a trace; a gap shows only when a later batch
+        arrives, and an engine that has gone idle may send none for a long time,
+        its last blocks unknown (or its last evictions still credited) until then.
+        Drops happen only while batches wait unread for this subscriber, so one
+        check after the last of them suffices."""
+        self._tail_unchecked = False
+        status = self.status
+        last = status.last_seq
+        if self.replay_address is None or last is None or status.state is not StreamState.LIVE:
+            return  # a reconnection checks continuity on its own
+        status.tail_checks += 1
+        await self._recover()
+        if status.last_seq is not None and status.last_seq > last:
+            status.tail_losses += 1
+            status.gaps += 1
+            log.info(
+                "KV events from %s: batches %d to %d never arrived (the publisher's"
+                " high-water mark, most likely); recovered from its replay socket",
+                self.label,
+                last + 1,
+                status.last_seq,
+            )
 
     async def _recover(self) -> None:
         """After a gap or a reconnection: replay from the last batch applied, which
@@ -739,6 +777,8 @@ class KVEventSubscriber:
             "replays": sum(s.replays for s in statuses),
             "replayFailures": sum(s.replay_failures for s in statuses),
             "partialReplays": sum(s.partial_replays for s in statuses),
+            "tailChecks": sum(s.tail_checks for s in statuses),
+            "tailLosses": sum(s.tail_losses for s in statuses),
             "restarts": sum(s.restarts for s in statuses),
             "disconnects": sum(s.disconnects for s in statuses),
             "address": streams[0][0].address,

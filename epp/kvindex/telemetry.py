@@ -71,6 +71,12 @@ class PrecisePrefixCollector(Collector):
                 " reached back far enough).",
                 labels=["endpoint", "result"],
             ),
+            "tail_checks": CounterMetricFamily(
+                "epp_kv_event_tail_checks",
+                "Checks, after a stream went quiet, for batches lost at its end (checked),"
+                " and those that found some (lost: recovered from the replay socket).",
+                labels=["endpoint", "result"],
+            ),
             "resets": CounterMetricFamily(
                 "epp_kv_index_resets",
                 "Times an endpoint's entries were cleared, by reason (restart, gap,"
@@ -179,6 +185,10 @@ class PrecisePrefixCollector(Collector):
             families["replays"].add_metric(
                 [name, "partial"], sum(s.partial_replays for s in statuses)
             )
+            families["tail_checks"].add_metric(
+                [name, "checked"], sum(s.tail_checks for s in statuses)
+            )
+            families["tail_checks"].add_metric([name, "lost"], sum(s.tail_losses for s in statuses))
             for label, key in (
                 ("resets", "clears"),
                 ("rejected", "rejected"),

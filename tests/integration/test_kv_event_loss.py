@@ -25,6 +25,7 @@ from tests.integration.faults import (
     running,
     send,
     sim_pods,
+    sim_state,
 )
 
 # A PUB socket that queues at most 10 messages for a subscriber that does not read
@@ -71,9 +72,19 @@ async def _followed(session: aiohttp.ClientSession, stack: Stack, pod: Pod) -> d
 
 
 async def _converged(session: aiohttp.ClientSession, stack: Stack, pod: Pod) -> None:
-    await eventually(
-        lambda: index_in_step(session, stack, pod), "the index in step with the engine"
-    )
+    try:
+        await eventually(
+            lambda: index_in_step(session, stack, pod), "the index in step with the engine"
+        )
+    except AssertionError as failed:
+        # What each side holds and has sent, and what the EPP logged, to tell a
+        # lost batch from a wrong one.
+        index = await _index(session, stack)
+        engine = await sim_state(session, pod)
+        raise AssertionError(
+            f"{failed}\nindex: {index}\nengine: {engine['kvEvents']}, cached"
+            f" {len(engine['cachedBlockHashes'])}\nEPP log:\n{stack.epps[0].log_tail(15)}"
+        ) from None
 
 
 async def test_a_dropped_range_is_replayed(stack: Stack) -> None:

@@ -5,6 +5,8 @@ publisher where exact control of the frames is needed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import math
 import time
@@ -148,6 +150,69 @@ async def test_a_gap_is_replayed(pods: StartPod, harnesses: list[Harness]) -> No
     assert status.replays >= 1
     assert status.replay_failures == 0
     assert not harness.precise.streams(harness.endpoint("a"))[0].counters.clears
+
+
+QUIET = dataclasses.replace(FAST, tail_check_s=0.2)
+
+
+async def lose_the_tail(
+    pods: StartPod, harnesses: list[Harness], settings: SubscriberSettings
+) -> tuple[SimPod, Harness]:
+    """A pod whose last batches are lost on the PUB socket (as at its high-water
+    mark) after some that arrived, with nothing published after them: no later
+    batch will show a gap."""
+    pod = await pods()
+    harness = await start_harness(harnesses, [spec("a", pod)], settings)
+    await connected(harness, "a")
+    await complete(pod, prompt(1))
+    await wait_for(lambda: harness.keys("a") == truth(pod), what="the first blocks")
+    assert pod.publisher is not None
+    pod.publisher.drop_next(100)
+    await complete(pod, prompt(2))
+    return pod, harness
+
+
+async def test_a_lost_tail_is_found_once_the_stream_goes_quiet(
+    pods: StartPod, harnesses: list[Harness]
+) -> None:
+    pod, harness = await lose_the_tail(pods, harnesses, QUIET)
+    await wait_for(lambda: harness.keys("a") == truth(pod), what="the lost tail")
+    status = harness.stream("a").status
+    assert status.tail_losses == 1
+    assert status.gaps == 1
+    assert pod.publisher is not None
+    assert status.last_seq == pod.publisher.last_seq
+    assert not harness.precise.streams(harness.endpoint("a"))[0].counters.clears
+
+
+async def test_without_tail_checks_a_lost_tail_stays_lost(
+    pods: StartPod, harnesses: list[Harness]
+) -> None:
+    settings = dataclasses.replace(FAST, tail_check_s=0.0)
+    pod, harness = await lose_the_tail(pods, harnesses, settings)
+    await asyncio.sleep(1.0)
+    assert harness.keys("a") < truth(pod)
+    assert harness.stream("a").status.tail_checks == 0
+
+
+async def test_a_quiet_stream_is_checked_once_per_quiet_spell(
+    pods: StartPod, harnesses: list[Harness]
+) -> None:
+    pod = await pods()
+    harness = await start_harness(harnesses, [spec("a", pod)], QUIET)
+    await connected(harness, "a")
+    status = harness.stream("a").status
+    for n in (1, 2):
+        await complete(pod, prompt(n))
+        await wait_for(functools.partial(lambda k: status.tail_checks == k, n), what="a check")
+        # Idle: no more checks (nor replays) until batches come again.
+        replays = status.replays
+        await asyncio.sleep(1.0)
+        assert status.tail_checks == n
+        assert status.replays == replays
+    assert harness.keys("a") == truth(pod)
+    assert status.tail_losses == 0
+    assert status.gaps == 0
 
 
 async def test_a_gap_the_buffer_cannot_fill_clears_and_rebuilds(
