@@ -27,7 +27,13 @@ now. Its predictions are then charged share / (1 - share) turns to come, each
 about its own prefill for every request the pod has in flight above the fleet's
 mean (credited below it): the greedy choice, the holder of a system prompt every
 conversation shares, would pile the conversations onto few pods for their whole
-length. Where no request continues another, nothing changes.
+length. Where no request continues another, nothing changes. With
+`sessionTieShare` (none by default: off), a request that continues none while
+the share is at least that is a new session whose tie is as wide as a new
+prompt's and ranked by tokens in flight alone: where it starts, it stays, so its
+placement is about spreading sessions, not about this turn's hit. It helps
+conversational traffic from a cold start and costs traffic of independent
+prompts over shared prefixes (docs/routing.md, Sessions).
 
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
@@ -72,6 +78,7 @@ class PredictedTtftScorer:
         tie_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 0.25
         new_prefix_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         balance_factor: Annotated[float, msgspec.Meta(ge=0.0)] = 1.5
+        session_tie_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -80,6 +87,7 @@ class PredictedTtftScorer:
         self.tie_tolerance = params.tie_tolerance
         self.new_prefix_tolerance = params.new_prefix_tolerance
         self.balance_factor = params.balance_factor
+        self.session_tie_share = params.session_tie_share
         self._warned = False
 
     def score(
@@ -144,12 +152,27 @@ class PredictedTtftScorer:
         tolerance = self.tie_tolerance
         tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
         crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
-        if all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
+        # With `sessionTieShare`: a request that continues none while that share of
+        # requests continue earlier ones starts a session, which stays where it
+        # starts, so its pick is about spreading sessions, not about this turn's
+        # hit: its tie is as wide as a new prompt's and goes to the pod with the
+        # fewest tokens in flight, whoever holds the prompt's start.
+        session = (
+            self.session_tie_share is not None
+            and share > 0.0
+            and share >= self.session_tie_share
+            and not predictions.continues
+        )
+        if session or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
         near = best * (1.0 + tolerance) + _TIE_FLOOR_S
         keys = {
             e: (
-                _uncached_tenths(predictions.predict(e)) if tokens[e] <= crowded else 10,
+                0
+                if session
+                else _uncached_tenths(predictions.predict(e))
+                if tokens[e] <= crowded
+                else 10,
                 tokens[e],
             )
             for e in endpoints

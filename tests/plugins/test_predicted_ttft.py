@@ -309,6 +309,55 @@ def test_where_requests_continue_earlier_ones_a_new_session_spreads() -> None:
     assert scores[a] == 1.0 > 0.9 > scores[b]
 
 
+def _holder_and_idle_pod(fleet: Fleet) -> tuple[list[Endpoint], Mapping[Endpoint, float]]:
+    """a holds 95 of the prompt's 100 blocks with one request decoding there, b
+    holds nothing and is busy, c holds 85 blocks and is idle; a and c are predicted
+    within each other's error."""
+    a, b, c = make_endpoints(3)
+    for endpoint, matched in ((a, 95.0), (b, 0.0), (b, 0.0)):
+        req, started = fleet.route(endpoint, {endpoint: matched})
+        fleet.producer.response_first_chunk(req, started, routed(("default", endpoint)), 0.05)
+    return [a, b, c], {a: 95.0, c: 85.0}
+
+
+def _session_tie_scorer(share: float) -> PredictedTtftScorer:
+    return PredictedTtftScorer(
+        PredictedTtftScorer.Parameters(session_tie_share=share),
+        PluginContext(
+            "predicted-ttft-scorer",
+            "predicted-ttft-scorer",
+            Datastore(),
+            CollectorRegistry(),
+            {},
+            clock=VirtualClock(100.0),
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("initial_share", "session_tie_share", "winner"),
+    [
+        (0.8, None, 0),  # off (the default): the tie goes to the pod holding more
+        (0.8, 0.5, 2),  # a new session: to the idle pod, whoever holds more
+        (0.0, 0.5, 0),  # no request continues another: no sessions
+    ],
+)
+def test_session_ties_go_to_the_pod_with_the_fewest_tokens_in_flight(
+    initial_share: float, session_tie_share: float | None, winner: int
+) -> None:
+    fleet = Fleet(initialContinuingShare=initial_share)
+    if session_tie_share is not None:
+        fleet.scorer = _session_tie_scorer(session_tie_share)
+    endpoints, matched = _holder_and_idle_pod(fleet)
+    a, b, c = endpoints
+    assert (fleet.producer.continuing_share >= 0.5) == (initial_share > 0)
+    _, cycle = fleet.cycle(matched)
+    scores = fleet.scorer.score(request(PROMPT), cycle, endpoints)
+    loser = c if endpoints[winner] is a else a
+    assert scores[endpoints[winner]] == 1.0 > scores[loser] > 0.9
+    assert scores[b] < 1.0
+
+
 def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:
     datastore = Datastore()
     datastore.replace_all([EndpointSpec("a", "10.0.0.1:8000")])
@@ -347,6 +396,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-producer", parameters))
     with pytest.raises(InvalidConfig, match="tieTolerance"):
         load(one_plugin_config("predicted-ttft-scorer", {"tieTolerance": -0.1}))
+    with pytest.raises(InvalidConfig, match="sessionTieShare"):
+        load(one_plugin_config("predicted-ttft-scorer", {"sessionTieShare": 1.5}))
 
 
 def _slo_request(value: str | None, header: str = "x-slo-ttft-ms") -> InferenceRequest:
