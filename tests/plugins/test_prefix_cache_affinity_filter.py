@@ -117,7 +117,7 @@ def test_the_default_gate_is_llm_ds_18_seconds_at_15928_tokens_per_second() -> N
 def test_a_zero_penalty_always_sticks() -> None:
     sticky, other = make_endpoints(2)
     loads = producer()
-    charge(loads, sticky, 10**9)
+    charge(loads, sticky, 10**6)  # a minute of prefill at llm-d's rate
     plugin = affinity(maxTTFTPenaltyMs=0, peakPrefillThroughput=0)
     assert run(plugin, [sticky, other], {sticky: 10.0}, loads) == [sticky]
 
