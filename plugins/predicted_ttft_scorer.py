@@ -108,8 +108,17 @@ class PredictedTtftScorer:
         if not seconds:
             return {}
         share = min(predictions.continuing_share, _MAX_SHARE)
+        new_session = share > 0.0 and not predictions.continues
+        # With `sessionTieShare`: a request that continues none while that share of
+        # requests continue earlier ones starts a session, which stays where it
+        # starts, so its pick is about spreading sessions, not about this turn's
+        # hit: its tie is as wide as a new prompt's and goes to the pod with the
+        # fewest tokens in flight, whoever holds the prompt's start.
+        session_tie = (
+            new_session and self.session_tie_share is not None and share >= self.session_tie_share
+        )
         charges: dict[Endpoint, float] = {}
-        if share > 0.0 and not predictions.continues:
+        if new_session:
             # A new session, where requests continue earlier ones: its later turns
             # will follow it to the pod it gets now (their history is there), each
             # waiting behind the turns of the sessions already on that pod. So the
@@ -131,6 +140,7 @@ class PredictedTtftScorer:
                     **predictions.predict(e).describe(),
                     "continuingShare": round(predictions.continuing_share, 3),
                     "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
+                    "sessionTie": session_tie,
                 }
                 for e in endpoints
             },
@@ -152,32 +162,16 @@ class PredictedTtftScorer:
         tolerance = self.tie_tolerance
         tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
         crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
-        # With `sessionTieShare`: a request that continues none while that share of
-        # requests continue earlier ones starts a session, which stays where it
-        # starts, so its pick is about spreading sessions, not about this turn's
-        # hit: its tie is as wide as a new prompt's and goes to the pod with the
-        # fewest tokens in flight, whoever holds the prompt's start.
-        session = (
-            self.session_tie_share is not None
-            and share > 0.0
-            and share >= self.session_tie_share
-            and not predictions.continues
-        )
-        if session or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
+        if session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
         near = best * (1.0 + tolerance) + _TIE_FLOOR_S
-        keys = {
-            e: (
-                0
-                if session
-                else _uncached_tenths(predictions.predict(e))
-                if tokens[e] <= crowded
-                else 10,
-                tokens[e],
-            )
-            for e in endpoints
-            if seconds[e] <= near
-        }
+
+        def uncached_rank(e: Endpoint) -> int:
+            if session_tie:
+                return 0  # where the prompt's start is cached does not count
+            return _uncached_tenths(predictions.predict(e)) if tokens[e] <= crowded else 10
+
+        keys = {e: (uncached_rank(e), tokens[e]) for e in endpoints if seconds[e] <= near}
         ranks = {key: i for i, key in enumerate(sorted(set(keys.values())))}
         step = 0.1 / len(ranks)
         return {

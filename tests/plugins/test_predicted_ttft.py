@@ -46,7 +46,12 @@ DONE = ResponseInfo(completed=True)
 class Fleet:
     """The two plugins on a virtual clock, driven as the director drives them."""
 
-    def __init__(self, datastore: Datastore | None = None, **params: object) -> None:
+    def __init__(
+        self,
+        datastore: Datastore | None = None,
+        scorer: PredictedTtftScorer.Parameters | None = None,
+        **params: object,
+    ) -> None:
         # The session rule is off unless a test asks for it (its own tests do): the
         # other tests are about predictions and ties.
         params.setdefault("initialContinuingShare", 0.0)
@@ -64,7 +69,7 @@ class Fleet:
             msgspec.convert(params, PredictedTtftProducer.Parameters), ctx
         )
         self.scorer = PredictedTtftScorer(
-            PredictedTtftScorer.Parameters(),
+            scorer or PredictedTtftScorer.Parameters(),
             PluginContext(
                 "predicted-ttft-scorer",
                 "predicted-ttft-scorer",
@@ -320,20 +325,6 @@ def _holder_and_idle_pod(fleet: Fleet) -> tuple[list[Endpoint], Mapping[Endpoint
     return [a, b, c], {a: 95.0, c: 85.0}
 
 
-def _session_tie_scorer(share: float) -> PredictedTtftScorer:
-    return PredictedTtftScorer(
-        PredictedTtftScorer.Parameters(session_tie_share=share),
-        PluginContext(
-            "predicted-ttft-scorer",
-            "predicted-ttft-scorer",
-            Datastore(),
-            CollectorRegistry(),
-            {},
-            clock=VirtualClock(100.0),
-        ),
-    )
-
-
 @pytest.mark.parametrize(
     ("initial_share", "session_tie_share", "winner"),
     [
@@ -345,9 +336,8 @@ def _session_tie_scorer(share: float) -> PredictedTtftScorer:
 def test_session_ties_go_to_the_pod_with_the_fewest_tokens_in_flight(
     initial_share: float, session_tie_share: float | None, winner: int
 ) -> None:
-    fleet = Fleet(initialContinuingShare=initial_share)
-    if session_tie_share is not None:
-        fleet.scorer = _session_tie_scorer(session_tie_share)
+    scorer = PredictedTtftScorer.Parameters(session_tie_share=session_tie_share)
+    fleet = Fleet(scorer=scorer, initialContinuingShare=initial_share)
     endpoints, matched = _holder_and_idle_pod(fleet)
     a, b, c = endpoints
     assert (fleet.producer.continuing_share >= 0.5) == (initial_share > 0)
@@ -356,6 +346,10 @@ def test_session_ties_go_to_the_pod_with_the_fewest_tokens_in_flight(
     loser = c if endpoints[winner] is a else a
     assert scores[endpoints[winner]] == 1.0 > scores[loser] > 0.9
     assert scores[b] < 1.0
+    # /debug/explain says whether the session tie applied.
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    assert notes["predicted-ttft-scorer"]["ep-0"]["sessionTie"] is (winner == 2)
 
 
 def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:
