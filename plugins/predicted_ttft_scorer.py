@@ -35,6 +35,18 @@ placement is about spreading sessions, not about this turn's hit. It helps
 conversational traffic from a cold start and costs traffic of independent
 prompts over shared prefixes (docs/routing.md, Sessions).
 
+`queueWeight` (1.0: off; the shipped predicted-TTFT configs set 2) counts the
+queue a request would join up to that many times when pods are compared (not in
+the prediction itself): once for the request's own wait, the rest for what the
+greedy pick leaves out, the wait its own work then adds to the requests that
+queue behind it there when an idle pod could have taken them. The extra counts
+in proportion to the share of candidates with no queue, so it fades as the
+fleet saturates: in overload, spreading costs hits the fleet has no room for.
+It spreads a hot prompt, or conversations over one system prompt, before the
+pods holding them build a queue (docs/routing.md, The queue's weight). The tie
+window stays as wide as the predictions' error; the explain note's `costMs` is
+what is compared.
+
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
 best is logged at debug level. Without the producer's data every endpoint
@@ -79,6 +91,7 @@ class PredictedTtftScorer:
         new_prefix_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         balance_factor: Annotated[float, msgspec.Meta(ge=0.0)] = 1.5
         session_tie_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+        queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -88,6 +101,7 @@ class PredictedTtftScorer:
         self.new_prefix_tolerance = params.new_prefix_tolerance
         self.balance_factor = params.balance_factor
         self.session_tie_share = params.session_tie_share
+        self.queue_weight = params.queue_weight
         self._warned = False
 
     def score(
@@ -132,6 +146,18 @@ class PredictedTtftScorer:
             charges = {e: turns * (loads[e] - mean) * work for e in endpoints}
             seconds = {e: max(_FLOOR_S, s + charges[e]) for e, s in seconds.items()}
         best = min(seconds.values())
+        # Ties are as wide as the predictions' error, whatever the queue weight.
+        error = best
+        if self.queue_weight != 1.0:
+            # In proportion to the pods with no queue: while some are idle, joining a
+            # queue delays the requests behind it that could have gone there; when
+            # every pod queues, the queue is everywhere and what counts is the work
+            # the pick adds (spreading then costs hits the fleet has no room for).
+            queued = {e: predictions.predict(e).parts["queued"] for e in endpoints}
+            idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
+            extra = (self.queue_weight - 1.0) * idle
+            seconds = {e: s + extra * queued[e] for e, s in seconds.items()}
+            best = min(seconds.values())
         explain_note(
             cycle,
             self.name,
@@ -141,13 +167,14 @@ class PredictedTtftScorer:
                     "continuingShare": round(predictions.continuing_share, 3),
                     "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
                     "sessionTie": session_tie,
+                    "costMs": round(seconds[e] * 1e3, 3),
                 }
                 for e in endpoints
             },
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "%s: lowest predicted TTFT %.1f ms of %d candidates",
+                "%s: lowest cost (predicted TTFT) %.1f ms of %d candidates",
                 self.name,
                 best * 1e3,
                 len(seconds),
@@ -164,7 +191,7 @@ class PredictedTtftScorer:
         crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         if session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
-        near = best * (1.0 + tolerance) + _TIE_FLOOR_S
+        near = best + error * tolerance + _TIE_FLOOR_S
 
         def uncached_rank(e: Endpoint) -> int:
             if session_tie:

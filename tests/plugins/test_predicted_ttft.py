@@ -352,6 +352,40 @@ def test_session_ties_go_to_the_pod_with_the_fewest_tokens_in_flight(
     assert notes["predicted-ttft-scorer"]["ep-0"]["sessionTie"] is (winner == 2)
 
 
+@pytest.mark.parametrize(
+    ("queue_weight", "b_queues", "winner"),
+    [
+        (1.0, False, 0),  # off: the greedy pick joins the holder's queue
+        (3.0, False, 1),  # one pod of two idle: the queue counts twice, b wins
+        (3.0, True, 0),  # every pod queues: the weight fades out, the holder wins
+    ],
+)
+def test_the_queue_weight_counts_the_wait_a_request_adds_behind_it(
+    queue_weight: float, b_queues: bool, winner: int
+) -> None:
+    """a holds 95 of the prompt's 100 blocks behind twelve queued prefills (about
+    110 ms predicted), b holds nothing (about 150 ms idle)."""
+    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(queue_weight=queue_weight))
+    a, b = make_endpoints(2)
+    for _ in range(12):
+        fleet.route(a, {a: 95.0})
+    if b_queues:
+        fleet.route(b, {b: 99.0})  # one short prefill: b is still predicted slower
+    _, cycle = fleet.cycle({a: 95.0})
+    assert fleet.seconds(cycle, a) < fleet.seconds(cycle, b) < 2 * fleet.seconds(cycle, a)
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
+    # /debug/explain shows the prediction and, beside it, the cost compared.
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = notes["predicted-ttft-scorer"]["ep-0"]
+    assert explained["queuedMs"] > 0
+    extra = 0.0 if b_queues else (queue_weight - 1.0) / 2
+    assert explained["costMs"] == pytest.approx(
+        explained["predictedTtftMs"] + extra * explained["queuedMs"], abs=0.01
+    )
+
+
 def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:
     datastore = Datastore()
     datastore.replace_all([EndpointSpec("a", "10.0.0.1:8000")])
@@ -392,6 +426,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"tieTolerance": -0.1}))
     with pytest.raises(InvalidConfig, match="sessionTieShare"):
         load(one_plugin_config("predicted-ttft-scorer", {"sessionTieShare": 1.5}))
+    with pytest.raises(InvalidConfig, match="queueWeight"):
+        load(one_plugin_config("predicted-ttft-scorer", {"queueWeight": -1.0}))
 
 
 def _slo_request(value: str | None, header: str = "x-slo-ttft-ms") -> InferenceRequest:
