@@ -35,7 +35,7 @@ placement is about spreading sessions, not about this turn's hit. It helps
 conversational traffic from a cold start and costs traffic of independent
 prompts over shared prefixes (docs/routing.md, Sessions).
 
-`queueWeight` (1.0: off; the shipped predicted-TTFT configs set 2) counts the
+`queueWeight` (1.0: off; the lab profile predicted-ttft-queue2 sets 2) counts the
 queue a request would join up to that many times when pods are compared (not in
 the prediction itself): once for the request's own wait, the rest for what the
 greedy pick leaves out, the wait its own work then adds to the requests that
