@@ -52,7 +52,8 @@ earlier one before any has been seen; 0 for traffic known to have no sessions).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
-`epp_ttft_model_weight{plugin,feature}`. /debug/explain shows each candidate's
+`epp_ttft_model_weight{plugin,feature}`, `epp_ttft_model_covariance_resets_total{plugin}`.
+/debug/explain shows each candidate's
 prediction and its parts; /debug/endpoints each pod's queue, decoding requests
 and speed factor.
 """
@@ -67,7 +68,7 @@ from typing import Annotated, Final
 
 import msgspec
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from epp.datastore import WAITING, Endpoint
@@ -509,6 +510,7 @@ class _WeightsCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("epp_ttft_model_weight", "", labels=["plugin", "feature"])
+        yield CounterMetricFamily("epp_ttft_model_covariance_resets", "", labels=["plugin"])
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
@@ -519,7 +521,15 @@ class _WeightsCollector(Collector):
             " transferred).",
             labels=["plugin", "feature"],
         )
+        resets = CounterMetricFamily(
+            "epp_ttft_model_covariance_resets",
+            "Times the predicted-TTFT model's fit found its covariance no longer positive"
+            " definite (rounding over a long run) and started it again from the prior.",
+            labels=["plugin"],
+        )
         for plugin, model in self._models.items():
             for feature, weight in model.describe().items():
                 family.add_metric([plugin, feature], weight)
+            resets.add_metric([plugin], model.covariance_resets)
         yield family
+        yield resets

@@ -123,18 +123,22 @@ class OnlineTtftModel:
         self.clip = clip
         self._fit = list(prior)  # the unconstrained least-squares estimate
         self.weights = [max(0.0, w) for w in prior]  # what predictions use (non_negative)
-        k = len(FEATURES)
         # Forgetting inflates the variance of a weight no observation informs (a
         # fleet that never decodes tells nothing of `decoding`) without bound, and
         # the first observation that does would then swing it wildly ("windup"):
         # a weight's variance is kept at most 100 times its prior.
-        scaled = [v / OBSERVATION_ERROR_S**2 for v in prior_variance]
-        self._cap = [100.0 * v for v in scaled]
-        self._p = [[scaled[i] if i == j else 0.0 for j in range(k)] for i in range(k)]
+        self._prior_variance = [v / OBSERVATION_ERROR_S**2 for v in prior_variance]
+        self._cap = [100.0 * v for v in self._prior_variance]
+        self._p = self._prior_covariance()
+        self.covariance_resets = 0
 
         # Running scale of the residuals (an exponential median estimate).
         self._scale: float | None = None
         self.observations = 0
+
+    def _prior_covariance(self) -> list[list[float]]:
+        k = len(self._prior_variance)
+        return [[self._prior_variance[i] if i == j else 0.0 for j in range(k)] for i in range(k)]
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(w * v for w, v in zip(self.weights, x, strict=True))
@@ -160,13 +164,28 @@ class OnlineTtftModel:
         p = self._p
         k = len(x)
         px = [sum(p[i][j] * x[j] for j in range(k)) for i in range(k)]
-        denominator = lam + sum(x[i] * px[i] for i in range(k))
+        spread = sum(x[i] * px[i] for i in range(k))
+        if not spread >= 0.0 or not all(p[i][i] > 0.0 for i in range(k)):
+            # The covariance must stay positive definite, and rounding erodes it: the
+            # features' scales differ by many orders (a 40k-token prompt is over a
+            # billion attention pairs) and forgetting keeps dividing. Left alone, it
+            # goes indefinite, the denominator below crosses zero and the fit
+            # explodes (seen after about 5,000 observations of long-prompt traffic).
+            # Start the covariance again from the prior, keeping the fit.
+            self._p = p = self._prior_covariance()
+            self.covariance_resets += 1
+            px = [sum(p[i][j] * x[j] for j in range(k)) for i in range(k)]
+            spread = sum(x[i] * px[i] for i in range(k))
+        denominator = lam + spread
         gain = [v / denominator for v in px]
         for i in range(k):
             self._fit[i] += gain[i] * residual
             row = p[i]
             for j in range(k):
                 row[j] = (row[j] - gain[i] * px[j]) / lam
+        for i in range(k):  # symmetric, as a covariance is (rounding makes it drift)
+            for j in range(i):
+                p[i][j] = p[j][i] = 0.5 * (p[i][j] + p[j][i])
         for i in range(k):
             if p[i][i] > self._cap[i]:
                 shrink = (self._cap[i] / p[i][i]) ** 0.5

@@ -189,6 +189,10 @@ def test_predictions_learn_the_pods_speed_from_observed_first_tokens() -> None:
         "epp_ttft_model_weight", {"plugin": "predicted-ttft-producer", "feature": "prefill"}
     )
     assert weight == pytest.approx(0.025, rel=0.2)  # seconds per 1,000 tokens
+    resets = fleet.metrics.get_sample_value(
+        "epp_ttft_model_covariance_resets_total", {"plugin": "predicted-ttft-producer"}
+    )
+    assert resets == 0  # exported, and a plain fit needs none
 
 
 def test_a_slow_pod_is_learnt_and_avoided() -> None:

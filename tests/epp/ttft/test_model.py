@@ -111,6 +111,67 @@ def test_predictions_stay_unbiased_when_the_fit_wants_a_negative_weight() -> Non
     assert abs(sum(errors) / len(errors)) < 0.03
 
 
+def _long_prompts(rng: random.Random) -> tuple[TtftFeatures, float]:
+    """Long-prompt traffic like the Mooncake trace's: uncached prompts from a few
+    hundred to 60,000 tokens after up to 30,000 cached ones (up to billions of
+    attention pairs), queues, busy batches and the odd waiting request."""
+    cached = rng.choice((0, 0, 512, 4096, 16384, 30000))
+    uncached = min(int(rng.lognormvariate(7.5, 1.2)), 60000)
+    features = TtftFeatures(
+        queued_s=rng.choice((0.0, 0.0, 0.0, rng.uniform(0.0, 0.8))),
+        prefill_tokens=uncached,
+        attention_pairs=attention_pairs(uncached, cached),
+        decoding=rng.randint(5, 40),
+        waiting=rng.choice((0,) * 12 + (1, 2)),
+    )
+    ttft = (
+        0.01
+        + features.queued_s
+        + 0.02e-3 * uncached
+        + 0.25e-3 * features.attention_pairs / 1e6
+        + 0.001 * features.decoding
+        + 0.3 * features.waiting
+    )
+    return features, ttft * rng.uniform(0.8, 1.25)
+
+
+def test_the_fit_stays_stable_over_long_runs_of_long_prompts() -> None:
+    """Features whose scales differ by many orders wear the covariance down with
+    rounding; without care it turned indefinite and the fit exploded after about
+    5,500 observations of this traffic (predictions of 1e3 s and on to 1e35)."""
+    rng = random.Random(0)
+    model = OnlineTtftModel()
+    for _ in range(8000):
+        features, ttft = _long_prompts(rng)
+        model.observe(features.vector(), ttft)
+    errors = []
+    for _ in range(500):
+        features, ttft = _long_prompts(rng)
+        errors.append(abs(model.predict(features.vector()) - ttft) / ttft)
+    errors.sort()
+    assert errors[len(errors) // 2] < 0.15  # the noise alone is ±12%
+    assert errors[-1] < 1.0
+    weights = model.describe()
+    assert weights["prefill"] == pytest.approx(0.02, rel=0.3)
+    assert weights["queued"] == pytest.approx(1.0, rel=0.1)
+
+
+def test_a_covariance_gone_indefinite_starts_again_from_the_prior() -> None:
+    rng = random.Random(1)
+    model = OnlineTtftModel()
+    for _ in range(200):
+        features, ttft = _fleet(rng)
+        model.observe(features.vector(), ttft)
+    before = model.describe()
+    # What rounding can do over a long run: a variance below zero.
+    model._p[2][2] = -1.0
+    features, ttft = _fleet(rng)
+    model.observe(features.vector(), ttft)
+    assert model.covariance_resets == 1
+    assert all(model._p[i][i] > 0.0 for i in range(len(FEATURES)))
+    assert model.describe()["prefill"] == pytest.approx(before["prefill"], rel=0.2)
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="forgetting"):
         OnlineTtftModel(forgetting=1.5)
