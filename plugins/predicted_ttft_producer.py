@@ -52,10 +52,10 @@ earlier one before any has been seen; 0 for traffic known to have no sessions).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
-`epp_ttft_model_weight{plugin,feature}`, `epp_ttft_model_covariance_resets_total{plugin}`.
-/debug/explain shows each candidate's
-prediction and its parts; /debug/endpoints each pod's queue, decoding requests
-and speed factor.
+`epp_ttft_model_weight{plugin,feature}`,
+`epp_ttft_model_covariance_resets_total{plugin}`. /debug/explain shows each
+candidate's prediction and its parts; /debug/endpoints each pod's queue,
+decoding requests and speed factor.
 """
 
 from __future__ import annotations

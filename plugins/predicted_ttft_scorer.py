@@ -146,8 +146,9 @@ class PredictedTtftScorer:
             charges = {e: turns * (loads[e] - mean) * work for e in endpoints}
             seconds = {e: max(_FLOOR_S, s + charges[e]) for e, s in seconds.items()}
         best = min(seconds.values())
-        # Ties are as wide as the predictions' error, whatever the queue weight.
-        error = best
+        # Ties are as wide as the predictions' error, a share of the best prediction,
+        # whatever the queue weight.
+        tie_base = best
         if self.queue_weight != 1.0:
             # In proportion to the pods with no queue: while some are idle, joining a
             # queue delays the requests behind it that could have gone there; when
@@ -191,7 +192,7 @@ class PredictedTtftScorer:
         crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         if session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
-        near = best + error * tolerance + _TIE_FLOOR_S
+        near = best + tie_base * tolerance + _TIE_FLOOR_S
 
         def uncached_rank(e: Endpoint) -> int:
             if session_tie:
