@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -36,30 +37,41 @@ def _fleet(rng: random.Random) -> tuple[TtftFeatures, float]:
     return features, ttft * rng.uniform(0.95, 1.05)
 
 
+Draw = Callable[[random.Random], tuple[TtftFeatures, float]]
+
+
+def _train(model: OnlineTtftModel, draw: Draw, rng: random.Random, n: int) -> None:
+    for _ in range(n):
+        features, ttft = draw(rng)
+        model.observe(features.vector(), ttft)
+
+
+def _errors(model: OnlineTtftModel, draw: Draw, rng: random.Random, n: int) -> list[float]:
+    """|predicted - observed| / observed of `n` fresh requests, sorted."""
+    errors = []
+    for _ in range(n):
+        features, ttft = draw(rng)
+        errors.append(abs(model.predict(features.vector()) - ttft) / ttft)
+    return sorted(errors)
+
+
 def test_it_learns_the_fleets_rates_from_observations() -> None:
     rng = random.Random(7)
     model = OnlineTtftModel()
-    for _ in range(600):
-        features, ttft = _fleet(rng)
-        model.observe(features.vector(), ttft)
+    _train(model, _fleet, rng, 600)
     weights = model.describe()
     assert weights["fixed"] == pytest.approx(0.008, rel=0.3)
     assert weights["queued"] == pytest.approx(1.0, rel=0.1)
     assert weights["prefill"] == pytest.approx(0.050, rel=0.1)  # seconds per 1,000 tokens
     assert weights["decoding"] == pytest.approx(0.0005, rel=0.3)
-    errors = []
-    for _ in range(200):
-        features, ttft = _fleet(rng)
-        errors.append(abs(model.predict(features.vector()) - ttft) / ttft)
-    assert sorted(errors)[len(errors) // 2] < 0.05
+    errors = _errors(model, _fleet, rng, 200)
+    assert errors[len(errors) // 2] < 0.05
 
 
 def test_an_outlier_moves_it_little_and_weights_stay_physical() -> None:
     rng = random.Random(3)
     model = OnlineTtftModel()
-    for _ in range(400):
-        features, ttft = _fleet(rng)
-        model.observe(features.vector(), ttft)
+    _train(model, _fleet, rng, 400)
     before = dict(model.describe())
     features, _ = _fleet(rng)
     model.observe(features.vector(), 60.0)  # a stalled pod: a minute for one request
@@ -141,14 +153,8 @@ def test_the_fit_stays_stable_over_long_runs_of_long_prompts() -> None:
     5,500 observations of this traffic (predictions of 1e3 s and on to 1e35)."""
     rng = random.Random(0)
     model = OnlineTtftModel()
-    for _ in range(8000):
-        features, ttft = _long_prompts(rng)
-        model.observe(features.vector(), ttft)
-    errors = []
-    for _ in range(500):
-        features, ttft = _long_prompts(rng)
-        errors.append(abs(model.predict(features.vector()) - ttft) / ttft)
-    errors.sort()
+    _train(model, _long_prompts, rng, 8000)
+    errors = _errors(model, _long_prompts, rng, 500)
     assert errors[len(errors) // 2] < 0.15  # the noise alone is ±12%
     assert errors[-1] < 1.0
     weights = model.describe()
@@ -159,9 +165,7 @@ def test_the_fit_stays_stable_over_long_runs_of_long_prompts() -> None:
 def test_a_covariance_gone_indefinite_starts_again_from_the_prior() -> None:
     rng = random.Random(1)
     model = OnlineTtftModel()
-    for _ in range(200):
-        features, ttft = _fleet(rng)
-        model.observe(features.vector(), ttft)
+    _train(model, _fleet, rng, 200)
     before = model.describe()
     # What rounding can do over a long run: a variance below zero.
     model._p[2][2] = -1.0
