@@ -16,15 +16,20 @@ Everything it starts is stopped on exit, on Ctrl-C and on SIGTERM too.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 from bench.client import Arrivals
-from bench.runner import RunOptions, data_path, resolve_policy, run_benchmark, unique_names
+from bench.runner import (
+    RunOptions,
+    data_path,
+    resolve_policy,
+    run_benchmark,
+    stop_on_sigterm,
+    unique_names,
+)
 from bench.workloads import WorkloadSpec, default_tokenizer_dir
 
 # The policies the demo compares, by config name (manifests/config/NAME.yaml) or
@@ -59,17 +64,13 @@ LAB_WORKLOAD = {
 LAB_LOAD = 1.6
 
 
-def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def _cell(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def run_demo(out: Path, policies: Sequence[str] | None = None, keep_running: bool = False) -> int:
     # SIGTERM stops the demo as cleanly as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    stop_on_sigterm()
     names = list(policies or DEMO_POLICIES)
     command = "python -m bench demo" + "".join(f" --policy {p}" for p in policies or ())
     try:

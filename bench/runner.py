@@ -1018,8 +1018,23 @@ def check_waits(policies: Sequence[Policy], options: RunOptions) -> None:
 # -- the whole run -------------------------------------------------------------------------
 
 
-def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+def _interrupt_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # A SIGTERM is handled as Ctrl-C is, by whatever SIGINT handler is in force. Raising
+    # KeyboardInterrupt here instead would land in whichever callback the loop is
+    # running, and aiohttp's protocol callbacks turn any exception into one failed
+    # request: the run would go on. Inside `asyncio.run` the SIGINT handler cancels
+    # the main task and the run ends with KeyboardInterrupt once it has unwound.
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:  # SIGINT ignored (started in the background): SIGTERM still stops the run
+        raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM stops this process as Ctrl-C does (a KeyboardInterrupt that
+    unwinds every `with` block, so everything started is stopped)."""
+    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 
 def workload_bounds(
@@ -1035,7 +1050,7 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
     """Every rung x every policy; writes results.json, report.md, plots into out/."""
     from bench.report import write_outputs
 
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    stop_on_sigterm()
     options.out.mkdir(parents=True, exist_ok=True)
     check_waits(options.policies, options)
     words = load_words(options.tokenizer)
