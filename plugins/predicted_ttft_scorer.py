@@ -12,8 +12,11 @@ what the pick does to the requests that follow. Ties are ranked
    mean uncached tokens in flight from this EPP counts as holding nothing: a hot
    prefix, or a prompt every conversation shares, then spreads to the pods that
    are less loaded instead of piling onto the pods that hold it;
-2. then by those tokens in flight (llm-d's token load): a prompt no pod holds
-   goes where it adds the least.
+2. then by the prefill work queued ahead of it on the pod, in tenths of the
+   request's own prefill: a tie can be a whole prefill wide (a new prompt's), and
+   a pod with one queued would make the request wait for it;
+3. then by those tokens in flight (llm-d's token load, mostly decoding
+   requests): a prompt no pod holds goes where it adds the least.
 
 Equal ranks score equal, and the picker draws among them. The tied pods score in
 (0.9, 1], the others 0.9 x best / predicted. For a prompt no pod holds half of,
@@ -183,10 +186,10 @@ class PredictedTtftScorer:
         # Predictions closer to the best than their error are a tie. Among those,
         # the pod this request adds the least prefill work to scores highest (a pod
         # holding its prefix: less work for the fleet, the prefix kept in one place),
-        # then the one with the fewest requests in flight from this EPP (a prompt no
-        # pod holds spreads the load it will bring); they score in (0.9, 1], the
-        # others below 0.9 in order of prediction. Equal keys score equal: the
-        # picker draws among them.
+        # then the one with the least prefill queued ahead, then the one with the
+        # fewest tokens in flight from this EPP (a prompt no pod holds spreads the
+        # load it will bring); they score in (0.9, 1], the others below 0.9 in order
+        # of prediction. Equal keys score equal: the picker draws among them.
         tolerance = self.tie_tolerance
         tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
         crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
@@ -199,7 +202,21 @@ class PredictedTtftScorer:
                 return 0  # where the prompt's start is cached does not count
             return _uncached_tenths(predictions.predict(e)) if tokens[e] <= crowded else 10
 
-        keys = {e: (uncached_rank(e), tokens[e]) for e in endpoints if seconds[e] <= near}
+        # The queue in tenths of this request's own prefill: a pod with half a prefill
+        # queued delays this request by that much, whatever its tokens in flight
+        # (mostly decoding requests) say about its load. Ranked by tokens alone, a
+        # new prompt's wide tie sent requests behind queued prefills while other
+        # pods had none (no-reuse, 64 pods, load 0.8: p90 9% above round-robin).
+        work = max(_FLOOR_S, min(predictions.predict(e).own_work_s for e in endpoints))
+
+        def queue_units(e: Endpoint) -> int:
+            return round(10 * predictions.predict(e).parts["queued"] / work)
+
+        keys = {
+            e: (uncached_rank(e), queue_units(e), tokens[e])
+            for e in endpoints
+            if seconds[e] <= near
+        }
         ranks = {key: i for i, key in enumerate(sorted(set(keys.values())))}
         step = 0.1 / len(ranks)
         return {

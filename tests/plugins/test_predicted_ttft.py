@@ -211,16 +211,44 @@ def test_a_slow_pod_is_learnt_and_avoided() -> None:
 def test_a_new_prompt_goes_to_the_pod_with_the_fewest_tokens_in_flight() -> None:
     fleet = Fleet()
     a, b, c = make_endpoints(3)
-    # Nobody holds the prompt: b has a whole prefill queued, c one request decoding.
-    req, cycle = fleet.route(c)
-    fleet.producer.response_first_chunk(req, cycle, routed(("default", c)), 0.05)
-    fleet.route(b)
+    # Nobody holds the prompt, nothing is queued: b has one request decoding, c two.
+    for pod, count in ((b, 1), (c, 2)):
+        for _ in range(count):
+            req, cycle = fleet.route(pod)
+            fleet.producer.response_first_chunk(req, cycle, routed(("default", pod)), 0.05)
     _, fresh = fleet.cycle({})
     scores = fleet.scorer.score(request(PROMPT), fresh, [a, b, c])
+    # Within the wide tie of a new prompt (newPrefixTolerance): fewest tokens first.
     assert scores[a] == 1.0
-    # Within the wide tie of a new prompt (newPrefixTolerance), b and c both have
-    # 4,000 tokens in flight: equal, below the idle pod.
-    assert 0.9 < scores[b] == scores[c] < 1.0
+    assert 0.9 < scores[c] < scores[b] < 1.0
+
+
+def test_within_a_tie_a_queued_prefill_counts_before_tokens_in_flight() -> None:
+    fleet = Fleet()
+    a, b = make_endpoints(2)
+    # a: two requests decoding (8,000 tokens in flight), nothing queued; b: one
+    # request's whole prefill queued (4,000 tokens in flight). Both are in the wide
+    # tie of a new prompt, but on b it would wait for that prefill first.
+    for _ in range(2):
+        req, cycle = fleet.route(a)
+        fleet.producer.response_first_chunk(req, cycle, routed(("default", a)), 0.05)
+    fleet.route(b)
+    _, fresh = fleet.cycle({})
+    assert fleet.seconds(fresh, b) <= 2 * fleet.seconds(fresh, a)  # a tie
+    scores = fleet.scorer.score(request(PROMPT), fresh, [a, b])
+    assert scores[a] == 1.0
+    assert 0.9 < scores[b] < 1.0
+    # Half of b's prefill done, half of it still waits there: a still wins. Once it
+    # is done, b has the fewer tokens in flight.
+    predictions = fresh.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert predictions is not None
+    queued = predictions.predict(b).parts["queued"]
+    fleet.clock.advance(queued / 2)
+    _, half = fleet.cycle({})
+    assert fleet.scorer.score(request(PROMPT), half, [a, b])[a] == 1.0
+    fleet.clock.advance(queued / 2)
+    _, done = fleet.cycle({})
+    assert fleet.scorer.score(request(PROMPT), done, [a, b])[b] == 1.0
 
 
 def test_near_ties_go_to_the_holder_of_the_prefix_unless_it_is_crowded() -> None:
