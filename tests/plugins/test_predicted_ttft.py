@@ -460,6 +460,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"sessionTieShare": 1.5}))
     with pytest.raises(InvalidConfig, match="queueWeight"):
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeight": -1.0}))
+    with pytest.raises(InvalidConfig, match="workWeight"):
+        load(one_plugin_config("predicted-ttft-scorer", {"workWeight": -1.0}))
 
 
 def _slo_request(value: str | None, header: str = "x-slo-ttft-ms") -> InferenceRequest:
@@ -496,3 +498,28 @@ def test_the_slo_filter_keeps_the_pods_predicted_to_meet_the_objective() -> None
     for bad in ("soon", "-5", "0", "nan"):
         with pytest.raises(BadRequest, match="x-slo-ttft-ms must be a positive number"):
             slo.filter(_slo_request(bad), cycle, [warm, cold])
+
+
+@pytest.mark.parametrize(("work_weight", "winner"), [(1.0, 1), (4.0, 0)])
+def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
+    work_weight: float, winner: int
+) -> None:
+    """a holds 95 of the prompt's 100 blocks behind twenty queued prefills, b holds
+    nothing behind one short one: b is predicted sooner, but would prefill all
+    4,000 tokens where a prefills 200."""
+    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(work_weight=work_weight))
+    a, b = make_endpoints(2)
+    for _ in range(20):
+        fleet.route(a, {a: 95.0})
+    fleet.route(b, {b: 99.0})
+    _, cycle = fleet.cycle({a: 95.0})
+    assert fleet.seconds(cycle, b) < fleet.seconds(cycle, a)
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = notes["predicted-ttft-scorer"]["ep-1"]
+    own = explained["prefillMs"] + explained["attentionMs"]
+    assert explained["costMs"] == pytest.approx(
+        explained["predictedTtftMs"] + (work_weight - 1.0) * own, abs=0.01
+    )
