@@ -40,6 +40,7 @@ from epp.requests import InferenceRequest, rewrite_model
 from epp.scheduling.types import (
     EXPLAIN_NOTES,
     PRIORITY,
+    UNEXPLAINED,
     CycleState,
     ProfileResult,
     ResponseInfo,
@@ -261,6 +262,7 @@ class Director:
     ) -> Decision:
         candidates = self.candidates(subset)
         cycle = CycleState()
+        cycle.put(UNEXPLAINED, True)  # only `explain`'s own picks keep notes
         controller = config.flow_control
         if controller is None:
             self._admit(config, request, cycle, candidates)

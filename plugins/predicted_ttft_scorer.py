@@ -75,7 +75,7 @@ import msgspec
 
 from epp.datastore import Endpoint
 from epp.requests import InferenceRequest
-from epp.scheduling import CycleState, PluginContext, explain_note
+from epp.scheduling import CycleState, PluginContext, explain_note, explaining
 
 from .predicted_ttft_producer import DEFAULT_PRODUCER, TtftPrediction, predicted_ttft_key
 
@@ -182,20 +182,21 @@ class PredictedTtftScorer:
             extra = (self.work_weight - 1.0) * busy
             seconds = {e: s + extra * predictions.predict(e).own_work_s for e, s in seconds.items()}
             best = min(seconds.values())
-        explain_note(
-            cycle,
-            self.name,
-            {
-                e.name: {
-                    **predictions.predict(e).describe(),
-                    "continuingShare": round(predictions.continuing_share, 3),
-                    "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
-                    "sessionTie": session_tie,
-                    "costMs": round(seconds[e] * 1e3, 3),
-                }
-                for e in endpoints
-            },
-        )
+        if explaining(cycle):
+            explain_note(
+                cycle,
+                self.name,
+                {
+                    e.name: {
+                        **predictions.predict(e).describe(),
+                        "continuingShare": round(predictions.continuing_share, 3),
+                        "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
+                        "sessionTie": session_tie,
+                        "costMs": round(seconds[e] * 1e3, 3),
+                    }
+                    for e in endpoints
+                },
+            )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: lowest cost (predicted TTFT) %.1f ms of %d candidates",

@@ -33,6 +33,7 @@ from epp.scheduling.types import (
     NEUTRAL_SCORE,
     PRIORITY,
     TTFT_OBSERVED,
+    UNEXPLAINED,
     CycleState,
     DisaggDecision,
     PrefixMatchInfo,
@@ -44,6 +45,7 @@ from epp.scheduling.types import (
     TtftObservation,
     Usage,
     explain_note,
+    explaining,
     fewer_is_better,
     prefix_match_key,
 )
@@ -54,6 +56,7 @@ __all__ = [
     "NEUTRAL_SCORE",
     "PRIORITY",
     "TTFT_OBSERVED",
+    "UNEXPLAINED",
     "Admitter",
     "CycleState",
     "DataExtractor",
@@ -88,6 +91,7 @@ __all__ = [
     "TtftObservation",
     "Usage",
     "explain_note",
+    "explaining",
     "fewer_is_better",
     "prefix_match_key",
 ]

@@ -81,11 +81,24 @@ EXPLAIN_NOTES: StateKey[dict[str, dict[str, Any]]] = StateKey("explain-notes")
 name (see `explain_note`)."""
 
 
+UNEXPLAINED: StateKey[bool] = StateKey("unexplained")
+"""Set by the director on the cycle of a routed request: nobody reads its notes
+(/debug/explain runs a pick of its own), so `explain_note` keeps none."""
+
+
+def explaining(cycle: CycleState) -> bool:
+    """Whether notes left on `cycle` will be read: a plugin whose facts cost
+    something to build (a dict per endpoint) asks before building them."""
+    return cycle.get(UNEXPLAINED) is None
+
+
 def explain_note(cycle: CycleState, plugin: str, facts: Mapping[str, Any]) -> None:
     """Leave `facts` (JSON values) for /debug/explain's `notes.<plugin>`: what the
     plugin considered, e.g. that only the first blocks of a long prompt were matched.
-    Written on every pick (a dict per request); never request content, since
+    Kept on an explained pick only (`explaining`); never request content, since
     /debug/explain must not echo prompts."""
+    if not explaining(cycle):
+        return
     notes = cycle.get(EXPLAIN_NOTES)
     if notes is None:
         notes = {}
