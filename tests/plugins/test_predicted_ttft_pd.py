@@ -328,11 +328,10 @@ def test_a_pd_config_with_it_routes_and_explains_the_decision() -> None:
     director = Director(datastore, config, Telemetry(datastore))
     # A cold EPP, an empty fleet, a long prompt: predicted cheaper whole on decode-0
     # (no stream there to delay; the transfer costs something).
-    decision = asyncio.run(director.pick_endpoint(request("word " * 3000)))
-    assert decision.endpoint.name == "decode-0"
-    note: Any = decision.cycle.get(EXPLAIN_NOTES)
-    assert note is not None
-    handler = note["disagg-profile-handler"]
+    # /debug/explain's pick, which changes nothing, shows the decision's facts.
+    explained = asyncio.run(director.explain(request("word " * 3000)))
+    assert explained["picked"][0] == "10.0.0.1:8000"  # decode-0
+    handler = explained["notes"]["disagg-profile-handler"]
     assert handler["decider"] == "predicted-ttft-pd-decider"
     assert set(handler["facts"]) >= {"whole", "split", "streamDelayWeight"}
     # Nothing decodes on decode-0, so moving the prefill saves nothing and the
@@ -343,7 +342,11 @@ def test_a_pd_config_with_it_routes_and_explains_the_decision() -> None:
     assert facts["split"]["costMs"] > facts["whole"]["costMs"]
     assert handler["decision"] is False
     assert handler["disaggregated"] is False
+    # The routed pick decides the same, and keeps no notes (nobody reads them).
+    decision = asyncio.run(director.pick_endpoint(request("word " * 3000)))
+    assert decision.endpoint.name == "decode-0"
     assert decision.result.request_headers == {}
+    assert decision.cycle.get(EXPLAIN_NOTES) is None
     director.finish(decision, DONE)
 
 
