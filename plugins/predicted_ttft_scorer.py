@@ -56,8 +56,8 @@ proportion to the share of candidates with prefill queued: on a busy fleet, a
 prefill the pick adds (a miss where a pod holds the prefix) also delays every
 request that queues behind it, so the work a hit saves is worth more than this
 request's wait. On the whole Mooncake trace at 0.95 of capacity it lowers the
-p90 by more than half; it costs a hot prompt on 16 pods, whose holders it then
-overloads (docs/routing.md, The work's weight).
+p90 by more than half; it costs a hot prompt, whose holders it then overloads
+(docs/routing.md, The work's weight).
 
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
@@ -135,6 +135,10 @@ class PredictedTtftScorer:
         seconds = {e: max(_FLOOR_S, predictions.predict(e).seconds) for e in endpoints}
         if not seconds:
             return {}
+        # Each pod's prefill queued ahead, and this request's own prefill where it
+        # is least (its work on the pod holding most of it).
+        queued = {e: predictions.predict(e).parts["queued"] for e in endpoints}
+        least_work = min(predictions.predict(e).own_work_s for e in endpoints)
         share = min(predictions.continuing_share, _MAX_SHARE)
         new_session = share > 0.0 and not predictions.continues
         # With `sessionTieShare`: a request that continues none while that share of
@@ -156,8 +160,7 @@ class PredictedTtftScorer:
             turns = share / (1.0 - share)
             loads = {e: predictions.requests_in_flight(e) for e in endpoints}
             mean = sum(loads.values()) / len(loads)
-            work = min(predictions.predict(e).own_work_s for e in endpoints)
-            charges = {e: turns * (loads[e] - mean) * work for e in endpoints}
+            charges = {e: turns * (loads[e] - mean) * least_work for e in endpoints}
             seconds = {e: max(_FLOOR_S, s + charges[e]) for e, s in seconds.items()}
         best = min(seconds.values())
         # Ties are as wide as the predictions' error, a share of the best prediction,
@@ -168,7 +171,6 @@ class PredictedTtftScorer:
             # queue delays the requests behind it that could have gone there; when
             # every pod queues, the queue is everywhere and what counts is the work
             # the pick adds (spreading then costs hits the fleet has no room for).
-            queued = {e: predictions.predict(e).parts["queued"] for e in endpoints}
             idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
             extra = (self.queue_weight - 1.0) * idle
             seconds = {e: s + extra * queued[e] for e, s in seconds.items()}
@@ -177,7 +179,6 @@ class PredictedTtftScorer:
             # In proportion to the pods with a queue: the prefill this pick adds
             # delays the requests that queue behind it there, so on a busy fleet
             # the work a hit saves counts for more than this request's own wait.
-            queued = {e: predictions.predict(e).parts["queued"] for e in endpoints}
             busy = sum(q > 0.0 for q in queued.values()) / len(queued)
             extra = (self.work_weight - 1.0) * busy
             seconds = {e: s + extra * predictions.predict(e).own_work_s for e, s in seconds.items()}
@@ -228,10 +229,10 @@ class PredictedTtftScorer:
         # (mostly decoding requests) say about its load. Ranked by tokens alone, a
         # new prompt's wide tie sent requests behind queued prefills while other
         # pods had none (no-reuse, 64 pods, load 0.8: p90 9% above round-robin).
-        work = max(_FLOOR_S, min(predictions.predict(e).own_work_s for e in endpoints))
+        work = max(_FLOOR_S, least_work)
 
         def queue_units(e: Endpoint) -> int:
-            return round(10 * predictions.predict(e).parts["queued"] / work)
+            return round(10 * queued[e] / work)
 
         keys = {
             e: (uncached_rank(e), queue_units(e), tokens[e])

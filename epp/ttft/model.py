@@ -174,12 +174,9 @@ class OnlineTtftModel:
         px = [sum(p[i][j] * x[j] for j in range(k)) for i in range(k)]
         spread = sum(x[i] * px[i] for i in range(k))
         if not spread >= 0.0 or not all(p[i][i] > 0.0 for i in range(k)):
-            # The covariance must stay positive definite, and rounding erodes it: the
-            # features' scales differ by many orders (a 40k-token prompt is over a
-            # billion attention pairs) and forgetting keeps dividing. Left alone, it
-            # goes indefinite, the denominator below crosses zero and the fit
-            # explodes (seen after about 5,000 observations of long-prompt traffic).
-            # Start the covariance again from the prior, keeping the fit.
+            # Rounding has cost the covariance its definiteness (module docstring):
+            # the denominator below could cross zero. Start it again from the prior,
+            # keeping the fit.
             self._p = p = self._prior_covariance()
             self.covariance_resets += 1
             px = [sum(p[i][j] * x[j] for j in range(k)) for i in range(k)]

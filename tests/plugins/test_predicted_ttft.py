@@ -500,18 +500,26 @@ def test_the_slo_filter_keeps_the_pods_predicted_to_meet_the_objective() -> None
             slo.filter(_slo_request(bad), cycle, [warm, cold])
 
 
-@pytest.mark.parametrize(("work_weight", "winner"), [(1.0, 1), (4.0, 0)])
+@pytest.mark.parametrize(
+    ("work_weight", "b_queues", "winner"),
+    [
+        (1.0, True, 1),  # off: the greedy pick takes b, predicted sooner
+        (4.0, True, 0),  # every pod queues: a's hit saves more than b's wait costs
+        (4.0, False, 0),  # b idle: the extra halves (one pod of two queues), a still wins
+    ],
+)
 def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
-    work_weight: float, winner: int
+    work_weight: float, b_queues: bool, winner: int
 ) -> None:
     """a holds 95 of the prompt's 100 blocks behind twenty queued prefills, b holds
-    nothing behind one short one: b is predicted sooner, but would prefill all
-    4,000 tokens where a prefills 200."""
+    nothing (behind one short one, or idle): b is predicted sooner, but would
+    prefill all 4,000 tokens where a prefills 200."""
     fleet = Fleet(scorer=PredictedTtftScorer.Parameters(work_weight=work_weight))
     a, b = make_endpoints(2)
     for _ in range(20):
         fleet.route(a, {a: 95.0})
-    fleet.route(b, {b: 99.0})
+    if b_queues:
+        fleet.route(b, {b: 99.0})
     _, cycle = fleet.cycle({a: 95.0})
     assert fleet.seconds(cycle, b) < fleet.seconds(cycle, a)
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
@@ -520,6 +528,7 @@ def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
     assert notes is not None
     explained = notes["predicted-ttft-scorer"]["ep-1"]
     own = explained["prefillMs"] + explained["attentionMs"]
+    busy = 1.0 if b_queues else 0.5
     assert explained["costMs"] == pytest.approx(
-        explained["predictedTtftMs"] + (work_weight - 1.0) * own, abs=0.01
+        explained["predictedTtftMs"] + (work_weight - 1.0) * busy * own, abs=0.01
     )
