@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 # Student's t distribution's 0.975 quantile, t_{0.975, df}, for df = 1..30
 # (`scipy.stats.t.ppf(0.975, df)` to 7 decimals): a two-sided 95% interval.
@@ -111,3 +112,15 @@ def ci95(values: Sequence[float]) -> float | None:
     if n < 2:
         return None
     return t_975(n - 1) * statistics.stdev(values) / math.sqrt(n)
+
+
+def pm(result: Mapping[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    """`result[key]` formatted by `spec` (after `scale`), and ` ± ` the half-width of
+    its 95% interval when the result has one (`<key>_ci95`: a mean over seeds or
+    repeats); "-" when the figure is missing. A sign in `spec` (`+.1f`) is kept for
+    the value only."""
+    value, half = result.get(key), result.get(f"{key}_ci95")
+    if value is None:
+        return "-"
+    text = format(value * scale, spec)
+    return text if half is None else f"{text} ± {format(half * scale, spec.lstrip('+'))}"

@@ -50,14 +50,16 @@ pods holding them build a queue (docs/routing.md, The queue's weight). The tie
 window stays as wide as the predictions' error; the explain note's `costMs` is
 what is compared.
 
-`workWeight` (1.0: off; the lab profile predicted-ttft-work4 sets 4) counts the
+`workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in
 proportion to the share of candidates with prefill queued: on a busy fleet, a
 prefill the pick adds (a miss where a pod holds the prefix) also delays every
 request that queues behind it, so the work a hit saves is worth more than this
-request's wait. On the whole Mooncake trace at 0.95 of capacity it lowers the
-p90 by more than half; it costs a hot prompt, whose holders it then overloads
-(docs/routing.md, The work's weight).
+request's wait. A crowded pod (the tie rule's: more than `balanceFactor` times
+the mean tokens in flight) is counted as if it held nothing: its hit earns no
+extra, or a hot prompt's holders would win every comparison until their queues
+outgrew several whole prefills elsewhere. On the whole Mooncake trace at 0.95 of
+capacity it lowers the p90 by more than half (docs/routing.md, The work's weight).
 
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
@@ -175,13 +177,23 @@ class PredictedTtftScorer:
             extra = (self.queue_weight - 1.0) * idle
             seconds = {e: s + extra * queued[e] for e, s in seconds.items()}
             best = min(seconds.values())
+        tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
+        crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds
             # delays the requests that queue behind it there, so on a busy fleet
             # the work a hit saves counts for more than this request's own wait.
+            # A crowded pod counts the work of a miss (the most any candidate
+            # would prefill): the tie rule already treats it as holding nothing,
+            # and a hot prompt's holders would otherwise keep every request
+            # until their queues outweighed several whole prefills elsewhere.
             busy = sum(q > 0.0 for q in queued.values()) / len(queued)
             extra = (self.work_weight - 1.0) * busy
-            seconds = {e: s + extra * predictions.predict(e).own_work_s for e, s in seconds.items()}
+            miss = max(predictions.predict(e).own_work_s for e in endpoints)
+            seconds = {
+                e: s + extra * (predictions.predict(e).own_work_s if tokens[e] <= crowded else miss)
+                for e, s in seconds.items()
+            }
             best = min(seconds.values())
         if explaining(cycle):
             explain_note(
@@ -213,8 +225,6 @@ class PredictedTtftScorer:
         # load it will bring); they score in (0.9, 1], the others below 0.9 in order
         # of prediction. Equal keys score equal: the picker draws among them.
         tolerance = self.tie_tolerance
-        tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
-        crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         if session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
         near = best + tie_base * tolerance + _TIE_FLOOR_S

@@ -13,14 +13,7 @@ import matplotlib.pyplot as plt
 
 from bench.lab.tenants import report_lines as tenants_report
 from bench.provenance import produced_by
-
-
-def _pm(result: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
-    value, ci = result.get(key), result.get(f"{key}_ci95")
-    if value is None:
-        return "-"
-    text = format(value * scale, spec)
-    return text if ci is None else f"{text} ± {format(ci * scale, spec.lstrip('+'))}"
+from bench.stats import pm
 
 
 def table(policies: dict[str, Any]) -> list[str]:
@@ -31,11 +24,11 @@ def table(policies: dict[str, Any]) -> list[str]:
     ]
     for name, r in policies.items():
         lines.append(
-            f"| {name} | {_pm(r, 'hit_rate', '.3f')} | {_pm(r, 'ttft_p50_s', '.1f', 1000)}"
-            f" | {_pm(r, 'ttft_p90_s', '.1f', 1000)} | {_pm(r, 'ttft_p99_s', '.1f', 1000)}"
-            f" | {_pm(r, 'tpot_p50_s', '.2f', 1000)} | {_pm(r, 'tpot_p90_s', '.2f', 1000)}"
-            f" | {_pm(r, 'throughput_rps', '.2f')} | {_pm(r, 'max_over_mean_load', '.2f')}"
-            f" | {_pm(r, 'errors', '.1f')} |"
+            f"| {name} | {pm(r, 'hit_rate', '.3f')} | {pm(r, 'ttft_p50_s', '.1f', 1000)}"
+            f" | {pm(r, 'ttft_p90_s', '.1f', 1000)} | {pm(r, 'ttft_p99_s', '.1f', 1000)}"
+            f" | {pm(r, 'tpot_p50_s', '.2f', 1000)} | {pm(r, 'tpot_p90_s', '.2f', 1000)}"
+            f" | {pm(r, 'throughput_rps', '.2f')} | {pm(r, 'max_over_mean_load', '.2f')}"
+            f" | {pm(r, 'errors', '.1f')} |"
         )
     return lines
 
@@ -123,9 +116,9 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
             " observed, and its median of predicted / observed - 1):",
             "",
             *[
-                f"- {name}: error p50 {_pm(r, 'ttft_prediction_error_p50', '.1%')},"
-                f" p90 {_pm(r, 'ttft_prediction_error_p90', '.1%')};"
-                f" bias p50 {_pm(r, 'ttft_prediction_bias_p50', '+.1%')}"
+                f"- {name}: error p50 {pm(r, 'ttft_prediction_error_p50', '.1%')},"
+                f" p90 {pm(r, 'ttft_prediction_error_p90', '.1%')};"
+                f" bias p50 {pm(r, 'ttft_prediction_bias_p50', '+.1%')}"
                 for name, r in predicted.items()
             ],
             "",

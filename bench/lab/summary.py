@@ -11,15 +11,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-
-def _pm(result: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
-    value, ci = result.get(key), result.get(f"{key}_ci95")
-    if value is None:
-        return "-"
-    text = format(value * scale, spec)
-    return text if ci is None else f"{text} ± {format(ci * scale, spec)}"
+from bench.stats import pm
 
 
 def table(directories: list[Path]) -> str:
@@ -34,9 +27,9 @@ def table(directories: list[Path]) -> str:
         for name, r in document["policies"].items():
             lines.append(
                 f"| {document['workload']['name']} | {setup['pods']} | {setup['load']:.2f}"
-                f" | {name} | {_pm(r, 'hit_rate', '.3f')}"
-                f" | {_pm(r, 'ttft_p50_s', '.1f', 1000)} | {_pm(r, 'ttft_p90_s', '.1f', 1000)}"
-                f" | {_pm(r, 'ttft_p99_s', '.1f', 1000)} | {_pm(r, 'max_over_mean_load', '.2f')} |"
+                f" | {name} | {pm(r, 'hit_rate', '.3f')}"
+                f" | {pm(r, 'ttft_p50_s', '.1f', 1000)} | {pm(r, 'ttft_p90_s', '.1f', 1000)}"
+                f" | {pm(r, 'ttft_p99_s', '.1f', 1000)} | {pm(r, 'max_over_mean_load', '.2f')} |"
             )
     return "\n".join(lines) + "\n"
 

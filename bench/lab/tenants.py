@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.client import Record, is_shed
-from bench.stats import ci95, percentile
+from bench.stats import ci95, percentile, pm
 from bench.workloads import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, OBJECTIVE_MIX, TENANTS
 
 Sent = tuple[Record, tuple[tuple[str, str], ...], float | None]
@@ -265,14 +265,6 @@ def over_seeds_tenants(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # -- report ---------------------------------------------------------------------------------
 
 
-def _pm(part: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
-    value, ci = part.get(key), part.get(f"{key}_ci95")
-    if value is None:
-        return "-"
-    text = format(value * scale, spec)
-    return text if ci is None else f"{text} ± {format(ci * scale, spec)}"
-
-
 def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = None) -> list[str]:
     """report.md's flow-control tables (mean ± 95% CI over seeds). `reference`: the
     same policies' results from an unloaded run, for each objective's TTFT p90
@@ -309,10 +301,10 @@ def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = No
                     f" | {'-' if ratio is None else format(ratio, '.2f')}"
                 )
             lines.append(
-                f"| {name} | {objective} | {_pm(o, 'sent', '.0f')} | {_pm(o, 'served', '.0f')}"
-                f" | {_pm(o, 'shed', '.0f')} | {_pm(o, 'failed', '.0f')}"
-                f" | {_pm(o, 'ttft_p50_s', '.1f', 1000)} | {_pm(o, 'ttft_p90_s', '.1f', 1000)}"
-                f"{extra} | {_pm(o, 'queue_wait_p90_s', '.1f', 1000)} |"
+                f"| {name} | {objective} | {pm(o, 'sent', '.0f')} | {pm(o, 'served', '.0f')}"
+                f" | {pm(o, 'shed', '.0f')} | {pm(o, 'failed', '.0f')}"
+                f" | {pm(o, 'ttft_p50_s', '.1f', 1000)} | {pm(o, 'ttft_p90_s', '.1f', 1000)}"
+                f"{extra} | {pm(o, 'queue_wait_p90_s', '.1f', 1000)} |"
             )
     lines += [
         "",
@@ -331,12 +323,12 @@ def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = No
     for name, t in with_tenants.items():
         for tenant, x in t["by_tenant"].items():
             lines.append(
-                f"| {name} | {tenant} | {_pm(x, 'offered_tokens_per_s_burst', '.0f')}"
-                f" | {_pm(x, 'served_tokens_per_s_burst', '.0f')}"
-                f" | {_pm(x, 'fair_share_tokens_per_s_burst', '.0f')}"
-                f" | {_pm(x, 'of_fair_share', '.3f')} | {_pm(t, 'jain_burst', '.3f')}"
-                f" | {_pm(x, 'band_fair_share_tokens_per_s_burst', '.0f')}"
-                f" | {_pm(x, 'of_band_fair_share', '.3f')} | {_pm(t, 'jain_band_burst', '.3f')} |"
+                f"| {name} | {tenant} | {pm(x, 'offered_tokens_per_s_burst', '.0f')}"
+                f" | {pm(x, 'served_tokens_per_s_burst', '.0f')}"
+                f" | {pm(x, 'fair_share_tokens_per_s_burst', '.0f')}"
+                f" | {pm(x, 'of_fair_share', '.3f')} | {pm(t, 'jain_burst', '.3f')}"
+                f" | {pm(x, 'band_fair_share_tokens_per_s_burst', '.0f')}"
+                f" | {pm(x, 'of_band_fair_share', '.3f')} | {pm(t, 'jain_band_burst', '.3f')} |"
             )
     lines += [
         "",
@@ -361,8 +353,8 @@ def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = No
         )
         tail = "".join(f" | {'-' if fc.get(k) is None else fc[k]}" for k in keys) + " |"
         lines.append(
-            f"| {name} | {_pm(t, 'sent', '.0f')} | {_pm(t, 'served', '.1f')}"
-            f" | {_pm(t, 'shed', '.1f')} | {_pm(t, 'failed', '.1f')} | {_pm(t, 'waited', '.0f')}"
+            f"| {name} | {pm(t, 'sent', '.0f')} | {pm(t, 'served', '.1f')}"
+            f" | {pm(t, 'shed', '.1f')} | {pm(t, 'failed', '.1f')} | {pm(t, 'waited', '.0f')}"
             + tail
         )
     return [*lines, ""]

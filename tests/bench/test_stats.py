@@ -11,7 +11,7 @@ import random
 import numpy
 import pytest
 
-from bench.stats import T_975, ci95, in_ms, latency_ms, median, percentile, t_975
+from bench.stats import T_975, ci95, in_ms, latency_ms, median, percentile, pm, t_975
 
 # Percents as numpy.percentile takes them; bench.stats takes the fraction p / 100
 # (the same division numpy does, so the same q reaches both).
@@ -135,3 +135,21 @@ def test_ci95_half_width() -> None:
     assert ci95([2.0, 2.0, 2.0]) == 0.0
     assert ci95([1.0]) is None
     assert ci95([]) is None
+
+
+@pytest.mark.parametrize(
+    ("result", "spec", "scale", "text"),
+    [
+        ({"p90": 0.0541, "p90_ci95": 0.0099}, ".1f", 1000, "54.1 ± 9.9"),
+        ({"p90": 0.0541}, ".1f", 1000, "54.1"),
+        ({"p90": 0.0541, "p90_ci95": None}, ".1f", 1000, "54.1"),
+        ({"p90": None, "p90_ci95": 0.01}, ".1f", 1000, "-"),
+        ({}, ".1f", 1, "-"),
+        # A sign asked for shows on the value, not on the half-width.
+        ({"p90": 0.25, "p90_ci95": 0.05}, "+.0%", 1, "+25% ± 5%"),
+    ],
+)
+def test_a_figure_reads_as_its_mean_and_half_width(
+    result: dict[str, float | None], spec: str, scale: float, text: str
+) -> None:
+    assert pm(result, "p90", spec, scale) == text

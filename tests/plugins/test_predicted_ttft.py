@@ -501,34 +501,49 @@ def test_the_slo_filter_keeps_the_pods_predicted_to_meet_the_objective() -> None
 
 
 @pytest.mark.parametrize(
-    ("work_weight", "b_queues", "winner"),
+    ("work_weight", "b_queues", "a_crowded", "winner"),
     [
-        (1.0, True, 1),  # off: the greedy pick takes b, predicted sooner
-        (4.0, True, 0),  # every pod queues: a's hit saves more than b's wait costs
-        (4.0, False, 0),  # b idle: the extra halves (one pod of two queues), a still wins
+        (1.0, True, False, 1),  # off: the greedy pick takes b, predicted sooner
+        (4.0, True, False, 0),  # every pod queues: a's hit saves more than b's wait costs
+        (4.0, False, False, 0),  # b idle: the extra halves (one pod of two queues), a still wins
+        (4.0, True, True, 1),  # a crowded: its hit earns no extra, and b is sooner
     ],
 )
 def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
-    work_weight: float, b_queues: bool, winner: int
+    work_weight: float, b_queues: bool, a_crowded: bool, winner: int
 ) -> None:
-    """a holds 95 of the prompt's 100 blocks behind twenty queued prefills, b holds
-    nothing (behind one short one, or idle): b is predicted sooner, but would
-    prefill all 4,000 tokens where a prefills 200."""
+    """a holds 95 of the prompt's 100 blocks behind thirty queued prefills, b holds
+    nothing (behind one short one, or idle): b is predicted sooner, by more than a
+    tie, but would prefill all 4,000 tokens where a prefills 200. Unless a is
+    crowded, b decodes a request that prefilled 2,200 tokens: a's 6,000 in flight
+    are then below 1.5 times the mean."""
     fleet = Fleet(scorer=PredictedTtftScorer.Parameters(work_weight=work_weight))
     a, b = make_endpoints(2)
-    for _ in range(20):
+    for _ in range(30):
         fleet.route(a, {a: 95.0})
+    if not a_crowded:
+        decoding, cycle = fleet.route(b, {b: 45.0})
+        fleet.producer.response_first_chunk(
+            decoding, cycle, routed(("default", b)), fleet.seconds(cycle, b)
+        )
     if b_queues:
         fleet.route(b, {b: 99.0})
     _, cycle = fleet.cycle({a: 95.0})
-    assert fleet.seconds(cycle, b) < fleet.seconds(cycle, a)
+    predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert predictions is not None
+    mean = (predictions.tokens_in_flight(a) + predictions.tokens_in_flight(b)) / 2
+    assert (predictions.tokens_in_flight(a) > 1.5 * mean) is a_crowded
+    assert fleet.seconds(cycle, b) * 1.25 + 0.001 < fleet.seconds(cycle, a)
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
     assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
     notes = cycle.get(EXPLAIN_NOTES)
     assert notes is not None
-    explained = notes["predicted-ttft-scorer"]["ep-1"]
-    own = explained["prefillMs"] + explained["attentionMs"]
+    explained = {e: notes["predicted-ttft-scorer"][e.name] for e in (a, b)}
+    own = {e: n["prefillMs"] + n["attentionMs"] for e, n in explained.items()}
     busy = 1.0 if b_queues else 0.5
-    assert explained["costMs"] == pytest.approx(
-        explained["predictedTtftMs"] + (work_weight - 1.0) * busy * own, abs=0.01
-    )
+    # A crowded pod is charged the work of a miss: the most any candidate prefills.
+    counted = {a: max(own.values()) if a_crowded else own[a], b: own[b]}
+    for e in (a, b):
+        assert explained[e]["costMs"] == pytest.approx(
+            explained[e]["predictedTtftMs"] + (work_weight - 1.0) * busy * counted[e], abs=0.01
+        )
