@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.runner import combine_repeats
-from bench.stats import ci95, pm
+from bench.stats import pm
 
 # What may differ between the runs being combined: the seed, and where they went.
 _SEED_ONLY = ("seed",)
@@ -29,7 +29,7 @@ _SEED_ONLY = ("seed",)
 
 def _comparable(document: dict[str, Any]) -> dict[str, Any]:
     """What must be equal for two runs to be seeds of one experiment."""
-    workload = dict(document["workload"])
+    workload = document["workload"]
     params = {k: v for k, v in workload.get("params", {}).items() if k not in _SEED_ONLY}
     setup = document["setup"]
     ladder = document["ladder"]
@@ -110,13 +110,9 @@ def table(documents: list[dict[str, Any]], against: str | None = None) -> str:
             ]
             known = [x for x in ratios if x is not None]
             text = ", ".join("-" if x is None else f"{x:.2f}" for x in ratios)
-            if len(known) == len(ratios):
-                half = ci95(known)
-                mean = sum(known) / len(known)
-                summary = f"{mean:.2f}" + ("" if half is None else f" ± {half:.2f}")
-            else:
-                summary = "-"
-            line += f" {text} | {summary} |"
+            # A mean over the seeds only when every seed has its ratio.
+            summary = combine_repeats([{"ratio": x} for x in ratios]) if known == ratios else {}
+            line += f" {text} | {pm(summary, 'ratio', '.2f')} |"
         lines.append(line)
     seed_text = ", ".join(str(s) for s in seeds)
     return (

@@ -177,8 +177,11 @@ class PredictedTtftScorer:
             extra = (self.queue_weight - 1.0) * idle
             seconds = {e: s + extra * queued[e] for e, s in seconds.items()}
             best = min(seconds.values())
+        # Crowded: more than `balanceFactor` times the fleet's mean tokens in flight.
+        # Both the work weight and the tie rank count such a pod as holding nothing.
         tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
-        crowded = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
+        limit = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
+        crowded = {e for e in endpoints if tokens[e] > limit}
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds
             # delays the requests that queue behind it there, so on a busy fleet
@@ -191,7 +194,7 @@ class PredictedTtftScorer:
             extra = (self.work_weight - 1.0) * busy
             miss = max(predictions.predict(e).own_work_s for e in endpoints)
             seconds = {
-                e: s + extra * (predictions.predict(e).own_work_s if tokens[e] <= crowded else miss)
+                e: s + extra * (miss if e in crowded else predictions.predict(e).own_work_s)
                 for e, s in seconds.items()
             }
             best = min(seconds.values())
@@ -232,7 +235,7 @@ class PredictedTtftScorer:
         def uncached_rank(e: Endpoint) -> int:
             if session_tie:
                 return 0  # where the prompt's start is cached does not count
-            return _uncached_tenths(predictions.predict(e)) if tokens[e] <= crowded else 10
+            return 10 if e in crowded else _uncached_tenths(predictions.predict(e))
 
         # The queue in tenths of this request's own prefill: a pod with half a prefill
         # queued delays this request by that much, whatever its tokens in flight
