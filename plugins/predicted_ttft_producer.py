@@ -323,6 +323,24 @@ class PredictedTtftProducer:
         pod = self._pods.get(endpoint)
         return 0 if pod is None else pod.ledger.decoding
 
+    def predicted_wait(self, endpoint: Endpoint) -> float:
+        """Seconds the model predicts any new request waits on `endpoint` before its
+        own prefill starts: the prefill queued ahead, the decoding batch it joins and
+        the requests the pod reports waiting (a prediction for a request with nothing
+        to prefill, less the fixed cost every request pays). Fresh whatever the
+        scrapes do: the queue and the batch are this EPP's own accounting, and
+        waiting requests whose metrics are stale count as none."""
+        pod = self._pods.get(endpoint)
+        now = self.clock()
+        weights = dict(zip(FEATURES, self.model.weights, strict=True))
+        queued = pod.ledger.backlog(now) if pod is not None else 0.0
+        decoding = pod.ledger.decoding if pod is not None else 0
+        return (
+            weights["queued"] * queued
+            + weights["decoding"] * decoding
+            + weights["waiting"] * _waiting(endpoint, now)
+        )
+
     # -- predicting -----------------------------------------------------------------
 
     def predict(
