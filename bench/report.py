@@ -112,7 +112,9 @@ def pd_table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
         "",
         f"Prefill pods (llm-d.ai/role prefill): {_names(0, prefill_pods)}; decode pods:"
         f" {_names(prefill_pods, pods)}. *Disaggregated*: requests the"
-        " EPP sent with `x-prefiller-host-port` (Envoy echoes it into the response);"
+        " EPP sent with `x-prefiller-host-port` (Envoy echoes it into the response),"
+        " and *EPP*: what its own `epp_disagg_decision_total` counted as"
+        " prefill-decode, the same requests unless a response was lost;"
         " *prefill legs*: what the pods' sidecars sent and the prefill pods served;"
         " *KV transfers*: blocks the decode pods pulled (mean simulated time);"
         " *fallbacks*: prefill legs that failed and were prefilled on the decode pod."
@@ -133,6 +135,8 @@ def pd_table(document: dict[str, Any], policies: dict[str, Any]) -> list[str]:
         shown = _ci(r, "pd_disaggregated", "g")
         if share is not None:
             shown += f" ({share:.0%})"
+        if r.get("pd_epp_disaggregated") is not None:
+            shown += f"; EPP {_ci(r, 'pd_epp_disaggregated', 'g')}"
         lines.append(
             f"| {name} | {shown}"
             f" | {_ci(r, 'pd_prefill_legs_sent', 'g')} / {_ci(r, 'pd_prefill_legs_served', 'g')}"

@@ -728,9 +728,10 @@ def run_policy(
                     )
                 )
             after = read_fleet(pods)
+            epp_page = http_get(path.epp_metrics_url) if path.epp_metrics_url else None
             flow_control = (
-                flow_control_figures(http_get(path.epp_metrics_url), watch)
-                if path.epp_metrics_url is not None and watch is not None
+                flow_control_figures(epp_page, watch)
+                if epp_page is not None and watch is not None
                 else None
             )
     except (ProcessFailed, OSError, subprocess.CalledProcessError) as exc:
@@ -748,6 +749,8 @@ def run_policy(
     result["records_file"] = str((workdir / "requests.jsonl").relative_to(options.out))
     if flow_control is not None:
         result["flow_control"] = flow_control
+    if options.prefill_pods and epp_page is not None:
+        result.update(pd_decisions(epp_page))
     if workload.name == "tenants":
         run = tenants_of_run(records, workload, arrivals, policy, flow_control)
         result["tenants_run"] = run
@@ -766,6 +769,29 @@ def check_accounted(records: Sequence[Record], sent: int) -> None:
             f"accounting: {sent} requests sent, {len(records)} records: {served} served +"
             f" {shed} shed + {failed} failed (the rest neither answered nor failed)"
         )
+
+
+# The EPP's count of its P/D profile handler's decisions
+# (plugins/disagg_profile_handler.py), by llm-d's decision types.
+PD_DECISIONS = "epp_disagg_decision_total"
+PD_SPLIT_DECISIONS = ("prefill-decode", "encode-prefill-decode")
+
+
+def pd_decisions(page: bytes) -> dict[str, int]:
+    """What the EPP says it decided for the requests it routed on a P/D fleet:
+    `pd_epp_decided` (all its decisions) and `pd_epp_disaggregated` (those with a
+    prefill leg), summed over its handlers and models; nothing when it counted
+    none (a config without a P/D handler). Beside `pd_disaggregated`, read from
+    the responses, it tells a request the EPP split whose response did not say so."""
+    decided = disaggregated = 0
+    for sample in read_series(page, PD_DECISIONS).samples:
+        count = int(sample.value)
+        decided += count
+        if sample.labels.get("decision_type") in PD_SPLIT_DECISIONS:
+            disaggregated += count
+    if not decided:
+        return {}
+    return {"pd_epp_decided": decided, "pd_epp_disaggregated": disaggregated}
 
 
 # -- tenants and flow control ----------------------------------------------------------

@@ -78,6 +78,9 @@ def test_a_pd_fleet_with_llm_d_pd_disaggregates_through_envoy_and_the_epp(
     assert pd["pd_disaggregated"] == len(split) == pd["pd_prefill_legs_served"]
     assert pd["pd_disaggregated_share"] == len(split) / 12
     assert pd["pd_ttft_p50_disaggregated_s"] > 0
+    # The EPP's own count of its decisions says the same: one per request, each
+    # with a prefill leg.
+    assert (pd["pd_epp_decided"], pd["pd_epp_disaggregated"]) == (12, len(split))
     # TPOT beside TTFT: 8 tokens an answer, so 7 gaps each.
     assert 0 < pd["tpot_p50_s"] <= pd["tpot_p90_s"]
     for r in records:
@@ -98,7 +101,10 @@ def test_a_pd_fleet_with_llm_d_pd_disaggregates_through_envoy_and_the_epp(
     report = (tmp_path / "report.md").read_text()
     assert "| TPOT p50 (ms) | TPOT p90 (ms) |" in report
     assert "## Prefill/decode" in report
-    assert "| llm-d-pd | 12 (100%) |" in report or f"| llm-d-pd | {len(split)} (" in report
+    shown = f"| llm-d-pd | {len(split)} ({len(split) / 12:.0%}); EPP {len(split)} |"
+    assert shown in report
+    # An EPP config without a P/D handler counts no decisions: nothing to show.
+    assert "pd_epp_decided" not in rr
 
 
 def test_a_trace_replays_on_a_pd_fleet(tmp_path: Path) -> None:
