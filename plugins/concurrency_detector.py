@@ -82,10 +82,6 @@ class ConcurrencyDetector:
             return 1.0
         return sum(self.in_flight(e) for e in endpoints) / (self.capacity * len(endpoints))
 
-    def dispatch_saturation(self, endpoints: Sequence[Endpoint]) -> float:
-        """The same reading: it is this EPP's own accounting, never stale."""
-        return self.saturation(endpoints)
-
     def filter(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
     ) -> Sequence[Endpoint]:

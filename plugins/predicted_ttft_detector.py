@@ -20,9 +20,9 @@ while the others have room (the pick avoids that pod anyway).
 Stale metrics never freeze it: the queue and the decoding batch are this EPP's
 own accounting, always current; only the engines' waiting counts come from the
 scrapes, and a pod whose metrics are stale or missing is judged without them. So
-the same reading serves admission (`saturation`: requests of negative priority
-are shed at 1.0 with flow control off) and flow control's dispatch gate
-(`dispatch_saturation`).
+one reading, `saturation`, serves admission (requests of negative priority are
+shed at 1.0 with flow control off) and flow control's dispatch gate, which asks
+`saturation` of a detector that has no separate dispatch reading.
 
 It needs a `predicted-ttft-producer` declared before it in the config (named by
 `predictedTtftProducerName`, default `predicted-ttft-producer`): the producer
@@ -79,7 +79,3 @@ class PredictedTtftDetector:
         if not endpoints:
             return 1.0
         return sum(self.load(e) for e in endpoints) / len(endpoints)
-
-    def dispatch_saturation(self, endpoints: Sequence[Endpoint]) -> float:
-        """The same reading: nothing in it goes stale (see the module docstring)."""
-        return self.saturation(endpoints)

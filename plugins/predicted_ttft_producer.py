@@ -90,6 +90,9 @@ from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pa
 
 log = logging.getLogger(__name__)
 
+# Where `predicted_wait`'s terms sit in the model's weights.
+_QUEUED, _DECODING, _WAITING = (FEATURES.index(n) for n in ("queued", "decoding", "waiting"))
+
 CONTINUING_RATE: Final = 1 / 64
 # Before any evidence, four requests in five are assumed to continue earlier ones
 # (a new session brings four more turns; `initialContinuingShare`), with the
@@ -332,13 +335,13 @@ class PredictedTtftProducer:
         waiting requests whose metrics are stale count as none."""
         pod = self._pods.get(endpoint)
         now = self.clock()
-        weights = dict(zip(FEATURES, self.model.weights, strict=True))
+        weights = self.model.weights
         queued = pod.ledger.backlog(now) if pod is not None else 0.0
         decoding = pod.ledger.decoding if pod is not None else 0
         return (
-            weights["queued"] * queued
-            + weights["decoding"] * decoding
-            + weights["waiting"] * _waiting(endpoint, now)
+            weights[_QUEUED] * queued
+            + weights[_DECODING] * decoding
+            + weights[_WAITING] * _waiting(endpoint, now)
         )
 
     # -- predicting -----------------------------------------------------------------

@@ -34,7 +34,6 @@ def test_saturation_is_the_pools_requests_in_flight_over_its_capacity() -> None:
     assert d.saturation(busy(10, 5)) == pytest.approx(15 / 20)
     # One pod far past its share counts in full: the pool's total is what is read.
     assert d.saturation(busy(30, 0)) == pytest.approx(1.5)
-    assert d.dispatch_saturation(busy(30, 0)) == pytest.approx(1.5)
     assert d.saturation([]) == 1.0
     assert detector().saturation(busy(50)) == 0.5  # default capacity: 100
 

@@ -72,13 +72,11 @@ def test_waiting_requests_count_while_fresh_and_stale_metrics_never_freeze_it() 
     # 50 ms each.
     pod.metrics = EndpointMetrics(updated_at=fleet.clock(), waiting_requests=3)
     assert d.saturation([pod]) == pytest.approx(0.75)
-    assert d.dispatch_saturation([pod]) == pytest.approx(0.75)
     # The scrapes stop: the waiting count is no longer known and is left out; the
     # reading is this EPP's own accounting, which says the pod is idle. The
     # utilization detector reads the same pod as full for admission.
     fleet.clock.advance(5.0)
     assert d.saturation([pod]) == 0.0
-    assert d.dispatch_saturation([pod]) == 0.0
     utilization = UtilizationDetector(
         UtilizationDetector.Parameters(),
         PluginContext("u", "u", Datastore(), CollectorRegistry(), {}, clock=fleet.clock),
