@@ -188,22 +188,18 @@ class ApproxPrefixMatcher:
     def record(
         self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
     ) -> None:
-        """The request went to its primary target: its blocks are held there now. So
-        are they on the target of every other profile of the result (a
-        disaggregated pick's prefill endpoint, which computed them and keeps them
-        in its cache, as llm-d's producer records too)."""
-        targets = result.targets
-        if not targets:
+        """The request went to its primary target: its blocks are held there now, and
+        on a disaggregated pick's prefill endpoint, which computed them and keeps
+        them in its cache (`SchedulingResult.kv_holders`; llm-d's producer records
+        the prefill endpoint too)."""
+        holders = result.kv_holders
+        if not holders:
             return
-        chosen = targets[0]
-        info = self.match(request, cycle, targets)
+        chosen = holders[0]
+        info = self.match(request, cycle, result.targets)
         blocks = cycle.get(self._blocks)
         if blocks is None or blocks.total == 0:
             return
-        holders = [chosen]
-        for profile in result.profiles.values():
-            if profile.targets and profile.targets[0] not in holders:
-                holders.append(profile.targets[0])
         now = self.clock()
         before = self.index.evictions
         for holder in holders:

@@ -309,7 +309,12 @@ class _Engine:
             note.update(stage_note)
         note["disaggregated"] = PREFILLER_HEADER in headers
         explain_note(cycle, self.name, note)
-        return SchedulingResult(self.decode, used, headers)
+        return SchedulingResult(
+            self.decode,
+            used,
+            headers,
+            prefill_profile=self.prefill.profile if PREFILLER_HEADER in headers else None,
+        )
 
     def count(self, request: InferenceRequest, result: SchedulingResult) -> None:
         """Count a routed request's decision (llm-d's decision types)."""

@@ -19,9 +19,12 @@ For each request it reads the `PrefixMatchInfo` of `prefixMatchInfoProducerName`
   scores 1.0.
 
 At the pick (pre_request, so /debug/explain changes nothing), a cold request moves
-the primary target of the primary profile, and of a profile named `prefill` if
-there is one, to the most recently used end. The LRU remembers at most `lruSize`
-endpoints (1024; 0: the default, as in llm-d; negative values are refused).
+the endpoints that now hold its prompt's KV (the primary target, and a
+disaggregated pick's prefill endpoint: `SchedulingResult.kv_holders`) to the most
+recently used end; llm-d finds the prefill endpoint by the profile name `prefill`,
+this one by what the profile handler reports, whatever the profile's name. The LRU
+remembers at most `lruSize` endpoints (1024; 0: the default, as in llm-d; negative
+values are refused).
 `prefixPluginType` and `prefixPluginName` are llm-d's deprecated, never-used
 parameters: accepted and ignored.
 
@@ -55,7 +58,6 @@ from .inflight_load_producer import DEFAULT_PREFIX_PRODUCER
 log = logging.getLogger(__name__)
 
 DEFAULT_LRU_SIZE: Final = 1024
-PREFILL_PROFILE: Final = "prefill"
 
 
 class NoHitLruScorer:
@@ -119,10 +121,8 @@ class NoHitLruScorer:
     ) -> None:
         if not cycle.get(self._cold):
             return
-        for profile in (result.primary_profile, PREFILL_PROFILE):
-            picked = result.profiles.get(profile)
-            if picked is not None and picked.targets:
-                self._use(picked.targets[0].name)
+        for holder in result.kv_holders:
+            self._use(holder.name)
 
     def _use(self, name: str) -> None:
         self._lru[name] = None

@@ -333,8 +333,8 @@ class PrecisePrefixCacheProducer:
         self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
     ) -> None:
         found = cycle.get(self._match)
-        if found is not None and result.targets:
-            self.service.record_pick(found, result.targets[0])
+        if found is not None:
+            self.service.record_pick(found, result.kv_holders)
 
     # -- endpoint notifications --------------------------------------------------------
 

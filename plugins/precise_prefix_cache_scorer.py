@@ -120,5 +120,5 @@ class PrecisePrefixCacheScorer:
         self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
     ) -> None:
         found = cycle.get(self._match)
-        if found is not None and result.targets:
-            self.service.record_pick(found, result.targets[0])
+        if found is not None:
+            self.service.record_pick(found, result.kv_holders)

@@ -474,19 +474,23 @@ class PrecisePrefixService:
             stats.hits += 1
         return PromptMatch(match, blocks, slots, prompt_blocks, considered)
 
-    def record_pick(self, found: PromptMatch, endpoint: Endpoint) -> None:
-        """The request went to `endpoint`: with speculative indexing, its prompt's
-        blocks count as held there until the engine's own events arrive; one pick in
-        `alignmentSampleEvery` is a tokenization probe (`alignment`)."""
+    def record_pick(self, found: PromptMatch, holders: Sequence[Endpoint]) -> None:
+        """The request went to `holders[0]` (and its prompt's KV was computed on the
+        others: a disaggregated pick's prefill endpoint; `SchedulingResult.kv_holders`):
+        with speculative indexing, its prompt's blocks count as held on each until the
+        engines' own events arrive; one pick in `alignmentSampleEvery` is a
+        tokenization probe (`alignment`) of the primary."""
+        if not holders:
+            return
         speculative = self.speculative
         match = found.match
         checker = self.precise.checker
         if checker is not None and match.n_blocks and checker.wants_probe():
-            self._probe(found, endpoint)
+            self._probe(found, holders[0])
         self._mark_end(found)
         if speculative is None or not match.n_blocks:
             return
-        streams = self.precise.streams(endpoint)
+        streams = [s for holder in holders for s in self.precise.streams(holder)]
         if not streams:
             return
         stop = match.stop

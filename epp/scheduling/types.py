@@ -134,11 +134,28 @@ class SchedulingResult:
     # (a disaggregated pick's `x-prefiller-host-port`): chosen by the profile
     # handler, so /debug/explain shows them too. Names lower-case.
     request_headers: Mapping[str, str] = field(default_factory=dict)
+    # The profile whose pick computes the prompt's KV for the primary target (a
+    # disaggregated pick's prefill profile), when that is another endpoint.
+    prefill_profile: str | None = None
 
     @property
     def targets(self) -> tuple[Endpoint, ...]:
         """The endpoints the request goes to: primary first, then fallbacks."""
         return self.profiles[self.primary_profile].targets
+
+    @property
+    def kv_holders(self) -> tuple[Endpoint, ...]:
+        """The endpoints that hold the prompt's KV once the request is served: the
+        primary target, and a disaggregated pick's prefill endpoint, which computed
+        the blocks and keeps them in its prefix cache after the transfer (an encode
+        endpoint holds none). Empty when nothing was picked."""
+        targets = self.targets
+        if not targets:
+            return ()
+        prefill = self.profiles.get(self.prefill_profile) if self.prefill_profile else None
+        if prefill is None or not prefill.targets or prefill.targets[0] is targets[0]:
+            return (targets[0],)
+        return (targets[0], prefill.targets[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,11 +39,13 @@ def request(prompt: object = "hello", model: str = "m", **fields: object) -> Inf
     )
 
 
-def routed(*profiles: tuple[str, Endpoint]) -> SchedulingResult:
-    """A result whose profiles each picked one endpoint; the first is primary."""
+def routed(*profiles: tuple[str, Endpoint], prefill: str | None = None) -> SchedulingResult:
+    """A result whose profiles each picked one endpoint; the first is primary, and
+    `prefill` names the profile that computed the prompt's KV (a disaggregated pick)."""
     return SchedulingResult(
         profiles[0][0],
         {name: ProfileResult(name, (e,), (ScoredEndpoint(e, 1.0),)) for name, e in profiles},
+        prefill_profile=prefill,
     )
 
 

@@ -133,6 +133,7 @@ def test_decode_runs_first_then_prefill_when_the_decider_says_so() -> None:
     assert result.targets == (d,)
     assert set(result.profiles) == {"decode", "prefill"}
     assert result.request_headers == {HEADER: p.address}
+    assert result.kv_holders == (d, p)  # the prefix indexes record both
     assert note(cycle) == {
         "decider": "decider",
         "decode": d.address,
@@ -151,6 +152,7 @@ def test_no_prefill_profile_and_no_header_when_the_decider_says_no() -> None:
     assert result.targets == (d,)
     assert set(result.profiles) == {"decode"}
     assert result.request_headers == {}
+    assert result.kv_holders == (d,)
     assert note(cycle)["decision"] is False
     assert note(cycle)["disaggregated"] is False
 
@@ -198,6 +200,7 @@ def test_without_a_prefill_endpoint_the_decode_endpoint_serves_it_whole() -> Non
     assert result.targets == (d,)
     assert set(result.profiles) == {"decode"}  # nothing charged to a prefill pick
     assert result.request_headers == {}
+    assert result.kv_holders == (d,)
     assert note(cycle)["decision"] is True
     assert note(cycle)["disaggregated"] is False
     assert "no prefill endpoint" in note(cycle)["fallback"]
@@ -256,6 +259,7 @@ def test_prefill_first_runs_prefill_for_every_request_then_decode() -> None:
     assert encoder.asked == [None]  # no decode pick yet
     assert result.primary_profile == "decode"
     assert result.request_headers == {HEADER: p.address, ENCODERS: e.address}
+    assert result.kv_holders == (d, p)  # not the encoder
     assert note(cycle)["reason"] == "stageOrder prefill-first: prefill always runs"
 
 

@@ -93,15 +93,19 @@ def test_one_candidate_scores_one() -> None:
     assert cold(plugin, [a]) == [1.0]
 
 
-def test_the_prefill_target_is_recorded_too() -> None:
-    prefill, decode, spare = make_endpoints(3)
+@pytest.mark.parametrize("name", ["prefill", "p-stage"])
+def test_the_prefill_target_is_recorded_too(name: str) -> None:
+    """Whatever the prefill profile is called; an encode endpoint holds no KV."""
+    prefill, decode, spare, encoder = make_endpoints(4)
     plugin = scorer()
     cycle = with_match(CycleState(), {})
-    plugin.score(request(), cycle, [prefill, decode, spare])
-    plugin.pre_request(request(), cycle, routed(("decode", decode), ("prefill", prefill)))
-    # spare never used; the primary (decode) was moved first, then prefill: decode
-    # is LRU 0 (rank 1), prefill LRU 1 (rank 2).
-    assert cold(plugin, [prefill, decode, spare]) == [0.0, 0.5, 1.0]
+    plugin.score(request(), cycle, [prefill, decode, spare, encoder])
+    result = routed(("decode", decode), (name, prefill), ("encode", encoder), prefill=name)
+    plugin.pre_request(request(), cycle, result)
+    # spare and the encoder never used (ranks 0, 1); the primary (decode) was moved
+    # first, then prefill: decode is LRU 0 (rank 2), prefill LRU 1 (rank 3).
+    scores = cold(plugin, [prefill, decode, spare, encoder])
+    assert scores == pytest.approx([0.0, 1 / 3, 1.0, 2 / 3])
 
 
 def test_the_lru_is_bounded_by_lru_size() -> None:

@@ -158,24 +158,30 @@ async def test_the_scorer_reads_the_named_producers_match() -> None:
     assert source.matcher.index.blocks_of(b) == 0
 
 
-async def test_a_disaggregated_pick_is_recorded_on_its_prefill_endpoint_too() -> None:
+@pytest.mark.parametrize("disaggregated", [True, False])
+async def test_a_disaggregated_pick_is_recorded_on_its_prefill_endpoint_too(
+    disaggregated: bool,
+) -> None:
     """The prefill endpoint computed the prompt's blocks and keeps them; the decode
-    endpoint got them over the KV transfer."""
+    endpoint got them over the KV transfer. An encode endpoint holds none, nor does
+    a prefill pick the handler did not use."""
     source = producer(autoTune=False)  # blocks of 64 tokens: 256 characters
-    decode, prefill, other = make_endpoints(3)
+    decode, prefill, encoder = make_endpoints(3)
     prompt = "x" * (256 * 3)
     cycle = CycleState()
-    await source.prepare(request(prompt), cycle, [decode, prefill, other])
+    await source.prepare(request(prompt), cycle, [decode, prefill, encoder])
     result = SchedulingResult(
         "decode",
         {
             name: ProfileResult(name, (e,), (ScoredEndpoint(e, 1.0),))
-            for name, e in (("decode", decode), ("prefill", prefill))
+            for name, e in (("decode", decode), ("p", prefill), ("encode", encoder))
         },
+        prefill_profile="p" if disaggregated else None,
     )
     source.pre_request(request(prompt), cycle, result)
     index = source.matcher.index
-    assert (index.blocks_of(decode), index.blocks_of(prefill), index.blocks_of(other)) == (3, 3, 0)
+    held = (index.blocks_of(decode), index.blocks_of(prefill), index.blocks_of(encoder))
+    assert held == ((3, 3, 0) if disaggregated else (3, 0, 0))
 
 
 async def test_the_producer_tells_a_prompt_that_continues_an_earlier_one() -> None:

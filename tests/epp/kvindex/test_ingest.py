@@ -377,3 +377,37 @@ def test_the_map_is_trimmed_of_what_the_index_no_longer_holds() -> None:
     # What is left resolves: the newest blocks are still removable.
     feed(svc, a, payload(removed([2 * MAP_SLACK])))
     assert stream.counters.unknown_hashes == {}
+
+
+# -- speculative entries -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_a_pick_is_held_speculatively_on_every_pod_that_holds_its_kv(disaggregated: bool) -> None:
+    """A disaggregated pick's prefill pod computed the prompt's blocks and keeps them:
+    until either engine's events arrive, both count as holding them."""
+    svc, decode, prefill = service(block_size=BS, speculative_indexing=True)
+    datastore = svc.subscriber.datastore
+    datastore.replace_all(
+        [*(e.spec for e in (decode, prefill)), EndpointSpec("c", "10.0.0.3:8000")]
+    )
+    other = datastore.get("c")
+    assert other is not None
+    pods = [decode, prefill, other]
+    # Each engine reported something else: a stream each, trusted, none holds TOKENS.
+    elsewhere = [t + 100_000 for t in TOKENS]
+    for pod in pods:
+        feed(
+            svc,
+            pod,
+            EventBatchEncoder().encode(
+                1.0, [sim_stored(digests("sha256", "s", elsewhere), elsewhere)]
+            ),
+        )
+    found = svc.lookup(token_bytes(TOKENS), HashContext(), pods)
+    assert {pod: found.score(pod) for pod in pods} == {decode: 0.0, prefill: 0.0, other: 0.0}
+    svc.record_pick(found, (decode, prefill) if disaggregated else (decode,))
+    again = svc.lookup(token_bytes(TOKENS), HashContext(), pods)
+    held = {pod.name: again.score(pod) for pod in pods}
+    assert held == {"a": 1.0, "b": 1.0 if disaggregated else 0.0, "c": 0.0}
+    svc.record_pick(again, ())  # nothing picked: nothing recorded, nothing raised
