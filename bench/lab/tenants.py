@@ -43,7 +43,7 @@ on either's output directory). What differs is where two figures come from:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench.client import Record, is_shed
@@ -360,9 +360,36 @@ def report_lines(policies: dict[str, Any], reference: dict[str, Any] | None = No
     return [*lines, ""]
 
 
+def unloaded_reference(
+    runs: Sequence[Mapping[str, Any]], policies: Sequence[str], reference_policy: str | None = None
+) -> dict[str, Any]:
+    """Each policy's unloaded TTFT p90 per objective, for `report_lines`: the mean over
+    `runs` (unloaded runs' `policies`, each already a mean over its seeds or repeats)
+    of that policy's p90, or of `reference_policy`'s for every policy (one reference
+    for all: the same pool unloaded, whatever the config). A p90 of a few hundred
+    requests moves by 10-20% between runs, so several runs make a steadier reference.
+    """
+    out: dict[str, Any] = {}
+    for name in policies:
+        source = reference_policy or name
+        values: dict[str, list[float]] = {}
+        for run in runs:
+            by_objective = run.get(source, {}).get("tenants", {}).get("by_objective", {})
+            for objective, o in by_objective.items():
+                if o.get("ttft_p90_s") is not None:
+                    values.setdefault(objective, []).append(o["ttft_p90_s"])
+        out[name] = {
+            "tenants": {
+                "by_objective": {o: {"ttft_p90_s": sum(v) / len(v)} for o, v in values.items()}
+            }
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.lab.tenants LOADED [UNLOADED]`: the flow-control tables of a
-    tenants run, with each objective's TTFT p90 against an unloaded run's."""
+    """`python -m bench.lab.tenants LOADED [UNLOADED ...]`: the flow-control tables of a
+    tenants run, with each objective's TTFT p90 against its unloaded value (the mean
+    over the unloaded runs given)."""
     import argparse
     import json
     from pathlib import Path
@@ -375,14 +402,41 @@ def main(argv: list[str] | None = None) -> int:
         help="a tenants run's --out (`python -m bench lab` or `python -m bench run`)",
     )
     parser.add_argument(
-        "unloaded", type=Path, nargs="?", metavar="UNLOADED", help="the same at low load"
+        "unloaded",
+        type=Path,
+        nargs="*",
+        metavar="UNLOADED",
+        help="the same workload at low load; several: each objective's unloaded p90 is"
+        " the mean over them",
+    )
+    parser.add_argument(
+        "--reference-policy",
+        metavar="POLICY",
+        help="take every policy's unloaded p90 from this policy's unloaded runs (e.g."
+        " `default`: the pool unloaded with flow control off) instead of its own",
     )
     args = parser.parse_args(argv)
-    loaded = json.loads((args.loaded / "results.json").read_text(encoding="utf-8"))
+
+    def results(path: Path) -> dict[str, Any]:
+        file = path / "results.json"
+        if not file.is_file():
+            parser.error(f"{file} not found: give the --out directory of a tenants run")
+        data: dict[str, Any] = json.loads(file.read_text(encoding="utf-8"))
+        return data
+
+    loaded = results(args.loaded)
     reference = None
-    if args.unloaded is not None:
-        unloaded = json.loads((args.unloaded / "results.json").read_text(encoding="utf-8"))
-        reference = unloaded["policies"]
+    if args.unloaded:
+        runs = [results(path)["policies"] for path in args.unloaded]
+        if args.reference_policy and not any(args.reference_policy in run for run in runs):
+            known = sorted({name for run in runs for name in run})
+            parser.error(
+                f"--reference-policy {args.reference_policy!r} is in none of the unloaded"
+                f" runs (they have: {', '.join(known)})"
+            )
+        reference = unloaded_reference(runs, list(loaded["policies"]), args.reference_policy)
+    elif args.reference_policy:
+        parser.error("--reference-policy needs an UNLOADED run")
     print("\n".join(report_lines(loaded["policies"], reference)), end="")
     return 0
 
