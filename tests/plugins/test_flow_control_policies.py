@@ -3,6 +3,7 @@ dispatch reading."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from epp.plugins.fcfs_ordering_policy import FcfsOrderingPolicy
 from epp.plugins.global_strict_fairness_policy import GlobalStrictFairnessPolicy
@@ -95,8 +96,6 @@ def test_program_aware_decays_service_and_forgets_idle_programs() -> None:
 
 
 def test_program_aware_rejects_unknown_strategies() -> None:
-    import msgspec
-
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"strategy": "wfq"}, ProgramAwareFairness.Parameters)
 
@@ -109,7 +108,7 @@ def test_static_usage_limit() -> None:
 
 
 def test_soft_reflective_ceiling() -> None:
-    policy = SoftReflectiveCeilingPolicy(NoParameters(), context("soft"))
+    policy = SoftReflectiveCeilingPolicy(SoftReflectiveCeilingPolicy.Parameters(), context("soft"))
     assert list(policy.compute_limits(0.9, [0])) == [1.0]  # one band: always open
     # Low saturation: every band's reflective ceiling is above it.
     assert list(policy.compute_limits(0.2, [2, 1, 0])) == [1.0, 1.0, 1.0]
@@ -123,6 +122,18 @@ def test_soft_reflective_ceiling() -> None:
     # s = 0.5: band 1's ceiling 0.75 is above it (open); band 2's 0.5 is not.
     ceilings = [list(policy.compute_limits(0.5, [2, 1, 0])) for _ in range(2)]
     assert all(c[:2] == [1.0, 1.0] for c in ceilings)
+
+
+def test_the_highest_band_may_keep_going_past_saturation() -> None:
+    params = msgspec.convert({"highestBandCeiling": 1.5}, SoftReflectiveCeilingPolicy.Parameters)
+    policy = SoftReflectiveCeilingPolicy(params, context("soft"))
+    # Past saturation the others are closed; the top band's ceiling is 1.5, so the
+    # controller dispatches it until the pool reads 1.5.
+    assert list(policy.compute_limits(1.2, [2, 1, 0])) == [1.5, 0.0, 0.0]
+    assert list(policy.compute_limits(0.2, [2, 1, 0])) == [1.5, 1.0, 1.0]
+    assert list(policy.compute_limits(1.2, [0])) == [1.5]
+    with pytest.raises(msgspec.ValidationError, match="highestBandCeiling"):
+        msgspec.convert({"highestBandCeiling": 0.9}, SoftReflectiveCeilingPolicy.Parameters)
 
 
 def test_utilization_detector_judges_stale_endpoints_by_in_flight_for_dispatch() -> None:
