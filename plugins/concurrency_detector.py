@@ -54,17 +54,13 @@ class ConcurrencyDetector:
         self.limit = self.capacity * (1.0 + params.headroom)
         self.producer: InFlightLoadProducer | None = None
         if self.tokens:
-            name = params.in_flight_load_producer_name or DEFAULT_LOAD_PRODUCER
-            producer = context.plugins.get(name)
-            if not isinstance(producer, InFlightLoadProducer):
-                found = "no plugin of that name" if producer is None else type(producer).__name__
-                raise ValueError(
-                    f"concurrencyMode tokens reads the token counts of an"
-                    f" inflight-load-producer named {name!r} (inFlightLoadProducerName),"
-                    f" declared before this plugin; found {found}: add"
-                    f" `- type: inflight-load-producer` above it in plugins:"
-                )
-            self.producer = producer
+            # concurrencyMode tokens reads that producer's token counts.
+            self.producer = context.declared(
+                params.in_flight_load_producer_name or DEFAULT_LOAD_PRODUCER,
+                InFlightLoadProducer,
+                "inFlightLoadProducerName",
+                "inflight-load-producer",
+            )
         elif params.in_flight_load_producer_name:
             raise ValueError(
                 "inFlightLoadProducerName is read in concurrencyMode tokens only; requests"

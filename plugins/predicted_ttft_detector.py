@@ -55,21 +55,12 @@ class PredictedTtftDetector:
         self.threshold_s = parse_duration(params.wait_threshold)
         if self.threshold_s <= 0:
             raise ValueError("waitThreshold must be positive")
-        name = params.predicted_ttft_producer_name
-        producer = context.plugins.get(name)
-        if producer is None:
-            declared = ", ".join(sorted(context.plugins)) or "none"
-            raise ValueError(
-                f"predictedTtftProducerName {name!r}: no plugin of that name is declared"
-                f" before this one (declared before it: {declared}); add"
-                f" `- type: predicted-ttft-producer` above it in plugins:"
-            )
-        if not isinstance(producer, PredictedTtftProducer):
-            raise ValueError(
-                f"predictedTtftProducerName {name!r}: that plugin is a"
-                f" {type(producer).__name__}, not a predicted-ttft-producer"
-            )
-        self.producer: PredictedTtftProducer = producer
+        self.producer = context.declared(
+            params.predicted_ttft_producer_name,
+            PredictedTtftProducer,
+            "predictedTtftProducerName",
+            "predicted-ttft-producer",
+        )
 
     def load(self, endpoint: Endpoint) -> float:
         """The endpoint's predicted wait over the threshold, at most 1.0."""

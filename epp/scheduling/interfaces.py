@@ -44,7 +44,7 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Final, Protocol, runtime_checkable
+from typing import Annotated, Any, Final, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -147,6 +147,9 @@ class ServerSettings:
     tokenizer_dirs: tuple[tuple[str, str], ...] = ()
 
 
+_P = TypeVar("_P")
+
+
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin receives when it is built."""
@@ -174,6 +177,25 @@ class PluginContext:
     # random and has no `seed` parameter of its own draws from `rng()`, seeded by
     # this and its name, so that a whole run repeats exactly. None: unseeded.
     seed: int | None = None
+
+    def declared(self, name: str, kind: type[_P], parameter: str, type_name: str) -> _P:
+        """The plugin called `name`, declared before this one, of class `kind`. A clear
+        error otherwise, naming the `parameter` that names it and the plugin `type_name`
+        to declare above this one."""
+        plugin = self.plugins.get(name)
+        if plugin is None:
+            declared = ", ".join(sorted(self.plugins)) or "none"
+            raise ValueError(
+                f"{parameter} {name!r}: no plugin of that name is declared before this one"
+                f" (declared before it: {declared}); add `- type: {type_name}` above it"
+                " in plugins:"
+            )
+        if not isinstance(plugin, kind):
+            raise ValueError(
+                f"{parameter} {name!r} names a plugin of class {type(plugin).__name__},"
+                f" where {type_name} is needed"
+            )
+        return plugin
 
     def rng(self, own_seed: int | None = None) -> random.Random:
         """The plugin's random generator: seeded by its own `seed` parameter if it

@@ -84,11 +84,16 @@ def test_tokens_mode_reads_the_in_flight_load_producers_tokens() -> None:
 @pytest.mark.parametrize(
     ("producer", "extra", "message"),
     [
-        ("", "", "inflight-load-producer named 'inflight-load-producer'"),
+        ("", "", "'inflight-load-producer': no plugin of that name is declared before"),
         (
             "- type: inflight-load-producer",
             ", inFlightLoadProducerName: other",
-            "named 'other'",
+            "'other': no plugin of that name",
+        ),
+        (
+            "- type: approx-prefix-cache-producer",
+            ", inFlightLoadProducerName: approx-prefix-cache-producer",
+            "class ApproxPrefixCacheProducer, where inflight-load-producer is needed",
         ),
     ],
 )

@@ -123,7 +123,7 @@ def test_it_loads_as_flow_controls_gate_with_its_producer() -> None:
         (
             "- type: approx-prefix-cache-producer\n- type: predicted-ttft-producer",
             "\n  parameters: {predictedTtftProducerName: approx-prefix-cache-producer}",
-            "not a predicted-ttft-producer",
+            "where predicted-ttft-producer is needed",
         ),
         (
             "- type: approx-prefix-cache-producer\n- type: predicted-ttft-producer",
