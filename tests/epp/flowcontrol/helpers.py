@@ -22,6 +22,7 @@ from epp.flowcontrol import (
     FlowControlMetrics,
     FlowControlSettings,
     QueueItem,
+    UsageLimitPolicy,
 )
 from epp.scheduling import NoParameters
 from tests.plugins.helpers import context
@@ -133,6 +134,7 @@ def make_rig(
     ttl_s: float = 60.0,
     max_requests: int = 0,
     threshold: float = 1.0,
+    usage_limit: UsageLimitPolicy | None = None,
 ) -> Rig:
     datastore = Datastore()
     datastore.replace_all(
@@ -146,10 +148,11 @@ def make_rig(
         bands=(band.band(0),),
         default_band=band,
         default_negative_band=None,
-        usage_limit=StaticUsageLimitPolicy(
+        usage_limit=usage_limit
+        or StaticUsageLimitPolicy(
             StaticUsageLimitPolicy.Parameters(threshold=threshold), context("limit")
         ),
-        usage_limit_name="static-usage-limit-policy",
+        usage_limit_name="static-usage-limit-policy" if usage_limit is None else "usage-limit",
         max_requests=max_requests,
         default_request_ttl_s=ttl_s,
         recheck_interval_s=0.05,

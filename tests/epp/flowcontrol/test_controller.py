@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
 from epp.plugins.edf_ordering_policy import EdfOrderingPolicy
 from epp.plugins.fcfs_ordering_policy import FcfsOrderingPolicy
+from epp.plugins.soft_reflective_ceiling_policy import SoftReflectiveCeilingPolicy
 
 from epp.extproc import messages as m
 from epp.flowcontrol import FlowQueue, QueueFull, QueueItem, QueueTimeout, QueueTimeoutNoEndpoints
@@ -62,6 +64,33 @@ async def test_strict_priority_between_bands() -> None:
     release(rig)
     await asyncio.gather(*tasks)
     assert rig.dispatched == ["high-1", "high-2", "mid-1", "low-1", "low-2"]
+
+
+@pytest.mark.parametrize(
+    ("ceiling", "saturation", "dispatched"),
+    [
+        (1.5, 1.2, ["high"]),  # the top band passes a saturated pool, up to its ceiling
+        (1.5, 1.6, []),  # past its own ceiling it waits too
+        (1.0, 1.2, []),  # llm-d's behaviour: at saturation no band is dispatched
+    ],
+)
+async def test_the_top_band_has_a_ceiling_of_its_own(
+    ceiling: float, saturation: float, dispatched: list[str]
+) -> None:
+    params = msgspec.convert(
+        {"highestBandCeiling": ceiling}, SoftReflectiveCeilingPolicy.Parameters
+    )
+    rig = make_rig(endpoints=1, usage_limit=SoftReflectiveCeilingPolicy(params, context("soft")))
+    hold(rig)
+    rig.detector.value = saturation
+    # The high band first, so that "mid" is not the top band when it arrives.
+    tasks = [rig.submit("high", priority=5), rig.submit("mid", priority=0)]
+    await settle()
+    assert rig.dispatched == dispatched
+    assert rig.controller.queued == 2 - len(dispatched)
+    release(rig)
+    await asyncio.gather(*tasks)
+    assert sorted(rig.dispatched) == ["high", "mid"]
 
 
 async def test_round_robin_gives_a_quiet_flow_its_turns_against_a_burst() -> None:
