@@ -70,9 +70,13 @@ def block_keys(token_ids: Sequence[int], block_size: int, blocks: int) -> list[i
 
 
 def compute_bounds(
-    sequences: Iterable[tuple[Sequence[int], Sequence[int]]], block_size: int, pods: int
+    sequences: Iterable[tuple[Sequence[int], Sequence[int]]],
+    block_size: int,
+    pods: int,
+    star_hits: list[tuple[int, int]] | None = None,
 ) -> Bounds:
-    """Bounds for (prompt ids, generated ids) pairs in arrival order."""
+    """Bounds for (prompt ids, generated ids) pairs in arrival order. With `star_hits`,
+    each request's (prompt tokens, hit tokens under h_star) is appended to it."""
     if block_size < 1 or pods < 1:
         raise ValueError("block_size and pods must be >= 1")
     miss_one = 1.0 - 1.0 / pods
@@ -96,6 +100,8 @@ def compute_bounds(
                 break
             hit += 1
         star += hit * block_size
+        if star_hits is not None:
+            star_hits.append((len(prompt), hit * block_size))
         expected = 0.0
         for key in asked:
             n = counts.get(key, 0)

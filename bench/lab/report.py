@@ -104,6 +104,16 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
             " infinite caches).",
             "",
         ]
+    if oracle and "ttft_floor_p90_s" in oracle:
+        lines += [
+            "TTFT floor (the same requests, each alone on an idle pod holding the longest"
+            " prefix any earlier request left, through the cheapest router; bench/lab/floor.py):"
+            f" p50 {oracle['ttft_floor_p50_s'] * 1e3:.1f} ms, p90"
+            f" {oracle['ttft_floor_p90_s'] * 1e3:.1f} ms, p99"
+            f" {oracle['ttft_floor_p99_s'] * 1e3:.1f} ms. No policy's TTFT percentile can be"
+            " below it.",
+            "",
+        ]
     predicted = {
         name: r
         for name, r in document["policies"].items()

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from bench.bounds import Bounds, compute_bounds
 from bench.client import Record, RunTiming, poisson_starts
 from bench.lab.epp import Delays, LabEpp
+from bench.lab.floor import TtftFloor, ttft_floor
 from bench.lab.loop import EventLoop
 from bench.lab.peers import DynamoKv, SglangCacheAware
 from bench.lab.pod import LabPod
@@ -792,21 +793,32 @@ def build_workload(spec: WorkloadSpec, words: Words, seed: int) -> LabWorkload:
     return from_workload(replace(spec, seed=seed).build(words), words)
 
 
-def _bounds(workload: LabWorkload, words: Words, fleet: FleetSpec) -> Bounds | None:
+def _bounds(
+    workload: LabWorkload, words: Words, fleet: FleetSpec
+) -> tuple[Bounds, TtftFloor | None]:
+    """The hit-rate bounds of the workload's requests (bench/bounds.py) and their
+    TTFT floor (bench/lab/floor.py). A trace's prompts are built here as when sent
+    (about half a minute for the whole Mooncake trace); its answers are never part
+    of a later prompt."""
     source = workload.source
-    if source is None:
-        return None  # a trace: too long to enumerate here
     builder = PromptIds(words)
     answers: dict[int, list[int]] = {}
 
     def sequences() -> Iterator[tuple[list[int], list[int]]]:
+        if source is None:
+            for session in workload.sessions:
+                for lab_turn in session.turns:
+                    yield lab_turn.build()[1], []
+            return
         for turn in source.nominal_order():
             found = answers.get(turn.max_tokens)
             if found is None:
                 found = answers[turn.max_tokens] = answer_ids(words.tokenizer, turn.max_tokens)
             yield builder.ids(turn.messages), found
 
-    return compute_bounds(sequences(), fleet.engine.block_size, fleet.pods)
+    hits: list[tuple[int, int]] = []
+    bounds = compute_bounds(sequences(), fleet.engine.block_size, fleet.pods, hits)
+    return bounds, ttft_floor(hits, fleet.engine, fleet.latency, fleet.delays)
 
 
 def run_lab(options: LabOptions) -> dict[str, Any]:
@@ -847,7 +859,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
         arrival_rate = None
     if options.burst > 1 and arrival_rate is None:
         raise ValueError("bursts shape Poisson arrivals; a trace keeps its own timestamps")
-    bounds = _bounds(first, words, options.fleet)
+    bounds, floor = _bounds(first, words, options.fleet)
     factories = {p.name: p.router_factory(registry, options.tokenizer) for p in policies}
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in policies}
     total = len(policies) * len(options.seeds)
@@ -901,7 +913,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
             ),
         },
         "workload": first.describe(),
-        "oracle": bounds.to_json() if bounds is not None else None,
+        "oracle": {**bounds.to_json(), **(floor.to_json() if floor is not None else {})},
         "policies": results,
     }
     write_outputs(document, options.out)
