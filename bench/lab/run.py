@@ -798,7 +798,7 @@ def _bounds(
 ) -> tuple[Bounds, TtftFloor | None]:
     """The hit-rate bounds of the workload's requests (bench/bounds.py) and their
     TTFT floor (bench/lab/floor.py). A trace's prompts are built here as when sent
-    (about half a minute for the whole Mooncake trace); its answers are never part
+    (under a minute for the whole Mooncake trace); its answers are never part
     of a later prompt."""
     source = workload.source
     builder = PromptIds(words)
