@@ -55,7 +55,8 @@ observed per observed request), `epp_ttft_observed_seconds{plugin}`,
 `epp_ttft_model_weight{plugin,feature}`,
 `epp_ttft_model_covariance_resets_total{plugin}`. /debug/explain shows each
 candidate's prediction and its parts; /debug/endpoints each pod's queue,
-decoding requests and speed factor.
+decoding requests, the prompt tokens they decode (`decodingTokens`, the
+scorer's `decodeBalanceFactor` reads them) and speed factor.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def predicted_ttft_key(producer: str) -> StateKey[TtftPredictions]:
 
 
 class _Pod:
-    __slots__ = ("factor", "ledger", "observations", "tokens_in_flight")
+    __slots__ = ("decoding_tokens", "factor", "ledger", "observations", "tokens_in_flight")
 
     def __init__(self) -> None:
         self.ledger = PodLedger()
@@ -164,6 +165,9 @@ class _Pod:
         # Uncached prompt tokens of the requests in flight here, from pick to end
         # (llm-d's in-flight token load): the scorer's tie-break.
         self.tokens_in_flight = 0
+        # Prompt tokens of the requests decoding here (their context, which every
+        # decode step reads): the pod's decode load, as Dynamo's decode blocks.
+        self.decoding_tokens = 0
 
 
 @dataclass(slots=True)
@@ -178,6 +182,10 @@ class _Charge:
     prefill_pod: _Pod | None = None
     decoding: bool = False
     released: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prediction.cached_tokens + self.prediction.uncached_tokens
 
     @property
     def computing(self) -> _Pod:
@@ -217,6 +225,10 @@ class TtftPredictions:
     def decoding(self, endpoint: Endpoint) -> int:
         """Requests this EPP has on `endpoint` past their first token."""
         return self._producer.decoding(endpoint)
+
+    def decoding_tokens(self, endpoint: Endpoint) -> int:
+        """Prompt tokens of the requests this EPP has decoding on `endpoint`."""
+        return self._producer.decoding_tokens(endpoint)
 
     @property
     def continues(self) -> bool:
@@ -325,6 +337,10 @@ class PredictedTtftProducer:
     def decoding(self, endpoint: Endpoint) -> int:
         pod = self._pods.get(endpoint)
         return 0 if pod is None else pod.ledger.decoding
+
+    def decoding_tokens(self, endpoint: Endpoint) -> int:
+        pod = self._pods.get(endpoint)
+        return 0 if pod is None else pod.decoding_tokens
 
     def predicted_wait(self, endpoint: Endpoint) -> float:
         """Seconds the model predicts any new request waits on `endpoint` before its
@@ -442,6 +458,7 @@ class PredictedTtftProducer:
         if charge is None or charge.decoding or charge.released:
             return
         charge.decoding = True
+        charge.pod.decoding_tokens += charge.prompt_tokens
         if charge.prefill_pod is None:
             charge.pod.ledger.started(charge.key, self.clock())
         else:
@@ -480,6 +497,8 @@ class PredictedTtftProducer:
         computing.tokens_in_flight = max(
             0, computing.tokens_in_flight - charge.prediction.uncached_tokens
         )
+        if charge.decoding:
+            charge.pod.decoding_tokens = max(0, charge.pod.decoding_tokens - charge.prompt_tokens)
         now = self.clock()
         if charge.prefill_pod is not None:
             charge.prefill_pod.ledger.release(charge.key, False, now)
@@ -488,12 +507,20 @@ class PredictedTtftProducer:
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
         pod = self._pods.get(endpoint)
         if pod is None:
-            return {"predictedTtft": {"queuedRequests": 0, "queuedMs": 0.0, "decoding": 0}}
+            return {
+                "predictedTtft": {
+                    "queuedRequests": 0,
+                    "queuedMs": 0.0,
+                    "decoding": 0,
+                    "decodingTokens": 0,
+                }
+            }
         return {
             "predictedTtft": {
                 "queuedRequests": pod.ledger.queued,
                 "queuedMs": round(pod.ledger.backlog(self.clock()) * 1e3, 3),
                 "decoding": pod.ledger.decoding,
+                "decodingTokens": pod.decoding_tokens,
                 "podFactor": round(pod.factor, 4),
                 "observations": pod.observations,
             }

@@ -61,6 +61,18 @@ extra, or a hot prompt's holders would win every comparison until their queues
 outgrew several whole prefills elsewhere. On the whole Mooncake trace at 0.95 of
 capacity it lowers the p90 by more than half (docs/routing.md, The work's weight).
 
+`decodeBalanceFactor` (none: off; the lab profiles predicted-ttft-decode2 and -3
+set 2 and 3) counts a pod as holding nothing of the prompt when the prompts it is
+decoding (the producer's decoding tokens: every decode step reads their context)
+add up to more than that many times the fleet's mean: its hit is charged the
+work of a miss, in proportion to the share of candidates with no prefill queued
+(as the queue weight fades: when every pod queues, the fleet has no room for the
+prefill a miss adds), and the tie rule counts it as crowded. Chasing hits, the greedy pick keeps
+sending a family of long conversations to the pod that holds them, whose decode
+steps then slow down for every stream on it (the whole Mooncake trace on 64 pods
+at 0.8: one pod decoding three times the mean context set the run's length; see
+docs/routing.md, The decode load).
+
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
 best is logged at debug level. Without the producer's data every endpoint
@@ -107,6 +119,7 @@ class PredictedTtftScorer:
         session_tie_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
         queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+        decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -118,6 +131,7 @@ class PredictedTtftScorer:
         self.session_tie_share = params.session_tie_share
         self.queue_weight = params.queue_weight
         self.work_weight = params.work_weight
+        self.decode_balance_factor = params.decode_balance_factor
         self._warned = False
 
     def score(
@@ -182,6 +196,27 @@ class PredictedTtftScorer:
         tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
         limit = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
         crowded = {e for e in endpoints if tokens[e] > limit}
+        if self.decode_balance_factor is not None:
+            # Decode-heavy: the contexts this pod decodes are far above the fleet's
+            # mean, so every stream there steps slowly; a hit there is charged as a
+            # miss (when some pod is not heavy), so requests that chase it go where
+            # decoding is lighter.
+            context = {e: predictions.decoding_tokens(e) for e in endpoints}
+            decode_limit = self.decode_balance_factor * max(
+                1.0, sum(context.values()) / len(context)
+            )
+            heavy = {e for e in endpoints if context[e] > decode_limit}
+            # In proportion to the pods with no prefill queued, as the queue weight:
+            # when every pod queues, the fleet has no room for the prefill a miss adds.
+            idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
+            if heavy and idle > 0.0:
+                miss = max(predictions.predict(e).own_work_s for e in endpoints)
+                seconds = {
+                    e: s + idle * (miss - predictions.predict(e).own_work_s) if e in heavy else s
+                    for e, s in seconds.items()
+                }
+                best = min(seconds.values())
+                crowded |= heavy
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds
             # delays the requests that queue behind it there, so on a busy fleet
@@ -208,6 +243,7 @@ class PredictedTtftScorer:
                         "continuingShare": round(predictions.continuing_share, 3),
                         "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
                         "sessionTie": session_tie,
+                        "decodingTokens": predictions.decoding_tokens(e),
                         "costMs": round(seconds[e] * 1e3, 3),
                     }
                     for e in endpoints

@@ -547,3 +547,73 @@ def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
         assert explained[e]["costMs"] == pytest.approx(
             explained[e]["predictedTtftMs"] + (work_weight - 1.0) * busy * counted[e], abs=0.01
         )
+
+
+def test_the_prompt_tokens_decoding_on_a_pod_are_counted_from_first_token_to_end() -> None:
+    fleet = Fleet()
+    (pod,) = make_endpoints(1)
+    result = routed(("default", pod))
+
+    def decoding_tokens() -> object:
+        return fleet.producer.describe_endpoint(pod)["predictedTtft"]["decodingTokens"]
+
+    assert decoding_tokens() == 0
+    first, first_cycle = fleet.route(pod, {pod: 90.0})
+    aborted, aborted_cycle = fleet.route(pod)
+    assert decoding_tokens() == 0  # queued for prefill: nothing decodes yet
+    fleet.producer.response_first_chunk(first, first_cycle, result, 0.05)
+    assert decoding_tokens() == 4000  # the whole prompt, cached part included
+    # One that ends before its first token never decoded; a repeated end counts once.
+    fleet.producer.post_response(aborted, aborted_cycle, result, ResponseInfo(completed=False))
+    assert decoding_tokens() == 4000
+    fleet.producer.post_response(first, first_cycle, result, DONE)
+    fleet.producer.post_response(first, first_cycle, result, DONE)
+    assert decoding_tokens() == 0
+
+
+@pytest.mark.parametrize(
+    ("factor", "c_queues", "winner"),
+    [
+        (None, False, 0),  # off: a's hit wins, however long the contexts it decodes
+        (3.0, False, 0),  # a decodes 2.5 times the mean's 4,000-token contexts: not heavy
+        (2.0, False, 1),  # heavy: a counts as holding nothing, and b decodes less
+        (2.0, True, 0),  # c queues: two thirds of a miss is charged, and a's hit wins again
+    ],
+)
+def test_the_decode_balance_factor_counts_a_heavy_pods_hit_as_a_miss(
+    factor: float | None, c_queues: bool, winner: int
+) -> None:
+    """a holds 95 of the prompt's 100 blocks and decodes five 4,000-token prompts,
+    b holds nothing and decodes none, c holds nothing and decodes one (and with
+    `c_queues` has a prefill queued)."""
+    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(decode_balance_factor=factor))
+    a, b, c = make_endpoints(3)
+    for pod, count in ((a, 5), (c, 1)):
+        for _ in range(count):
+            req, cycle = fleet.route(pod, {pod: 95.0})
+            fleet.producer.response_first_chunk(req, cycle, routed(("default", pod)), 0.03)
+    if c_queues:
+        fleet.route(c, {c: 99.0})
+    _, cycle = fleet.cycle({a: 95.0})
+    assert fleet.seconds(cycle, a) * 1.25 < fleet.seconds(cycle, b)  # a's hit: no tie
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    assert scores[[a, b][winner]] == 1.0 == max(scores.values())
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = {e: notes["predicted-ttft-scorer"][e.name] for e in (a, b, c)}
+    assert [explained[e]["decodingTokens"] for e in (a, b, c)] == [20000, 0, 4000]
+    own = {e: n["prefillMs"] + n["attentionMs"] for e, n in explained.items()}
+    heavy = factor == 2.0
+    # A heavy pod is charged the work of a miss (the most any candidate prefills),
+    # in proportion to the pods with no prefill queued.
+    idle = 2 / 3 if c_queues else 1.0
+    assert explained[a]["costMs"] == pytest.approx(
+        explained[a]["predictedTtftMs"] + (idle * (max(own.values()) - own[a]) if heavy else 0.0),
+        abs=0.01,
+    )
+    assert explained[b]["costMs"] == pytest.approx(explained[b]["predictedTtftMs"], abs=0.01)
+
+
+def test_a_decode_balance_factor_of_one_or_less_is_refused() -> None:
+    with pytest.raises(InvalidConfig, match="decodeBalanceFactor"):
+        load(one_plugin_config("predicted-ttft-scorer", {"decodeBalanceFactor": 1.0}))
