@@ -67,11 +67,11 @@ decoding (the producer's decoding tokens: every decode step reads their context)
 add up to more than that many times the fleet's mean: its hit is charged the
 work of a miss, in proportion to the share of candidates with no prefill queued
 (as the queue weight fades: when every pod queues, the fleet has no room for the
-prefill a miss adds), and the tie rule counts it as crowded. Chasing hits, the greedy pick keeps
-sending a family of long conversations to the pod that holds them, whose decode
-steps then slow down for every stream on it (the whole Mooncake trace on 64 pods
-at 0.8: one pod decoding three times the mean context set the run's length; see
-docs/routing.md, The decode load).
+prefill a miss adds), and the tie rule counts it as crowded. Chasing hits, the
+greedy pick keeps sending a family of long conversations to the pod that holds
+them, whose decode steps then slow down for every stream on it (the whole
+Mooncake trace on 64 pods at 0.8: one pod decoding three times the mean context
+set the run's length; see docs/routing.md, The decode load).
 
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
@@ -154,7 +154,9 @@ class PredictedTtftScorer:
         # Each pod's prefill queued ahead, and this request's own prefill where it
         # is least (its work on the pod holding most of it).
         queued = {e: predictions.predict(e).parts["queued"] for e in endpoints}
-        least_work = min(predictions.predict(e).own_work_s for e in endpoints)
+        works = [predictions.predict(e).own_work_s for e in endpoints]
+        least_work = min(works)
+        miss = max(works)  # the most any candidate would prefill: a miss's work
         share = min(predictions.continuing_share, _MAX_SHARE)
         new_session = share > 0.0 and not predictions.continues
         # With `sessionTieShare`: a request that continues none while that share of
@@ -199,8 +201,8 @@ class PredictedTtftScorer:
         if self.decode_balance_factor is not None:
             # Decode-heavy: the contexts this pod decodes are far above the fleet's
             # mean, so every stream there steps slowly; a hit there is charged as a
-            # miss (when some pod is not heavy), so requests that chase it go where
-            # decoding is lighter.
+            # miss, so requests that chase it go where decoding is lighter (some pod
+            # always is: none is above k > 1 times the mean of them all).
             context = {e: predictions.decoding_tokens(e) for e in endpoints}
             decode_limit = self.decode_balance_factor * max(
                 1.0, sum(context.values()) / len(context)
@@ -210,7 +212,6 @@ class PredictedTtftScorer:
             # when every pod queues, the fleet has no room for the prefill a miss adds.
             idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
             if heavy and idle > 0.0:
-                miss = max(predictions.predict(e).own_work_s for e in endpoints)
                 seconds = {
                     e: s + idle * (miss - predictions.predict(e).own_work_s) if e in heavy else s
                     for e, s in seconds.items()
@@ -227,7 +228,6 @@ class PredictedTtftScorer:
             # until their queues outweighed several whole prefills elsewhere.
             busy = sum(q > 0.0 for q in queued.values()) / len(queued)
             extra = (self.work_weight - 1.0) * busy
-            miss = max(predictions.predict(e).own_work_s for e in endpoints)
             seconds = {
                 e: s + extra * (miss if e in crowded else predictions.predict(e).own_work_s)
                 for e, s in seconds.items()
