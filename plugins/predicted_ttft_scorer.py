@@ -70,8 +70,8 @@ work of a miss, in proportion to the share of candidates with no prefill queued
 prefill a miss adds), and the tie rule counts it as crowded. Chasing hits, the
 greedy pick keeps sending a family of long conversations to the pod that holds
 them, whose decode steps then slow down for every stream on it (the whole
-Mooncake trace on 64 pods at 0.8: one pod decoding three times the mean context
-set the run's length; see docs/routing.md, The decode load).
+Mooncake trace on 64 pods at 0.8: one pod decoding several times a typical
+pod's context set the run's length; see docs/routing.md, The decode load).
 
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
