@@ -47,9 +47,7 @@ import asyncio
 import contextlib
 import json
 import math
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -601,26 +599,6 @@ def combine_repeats(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # -- one policy ----------------------------------------------------------------------------
 
 
-def free_port_range(count: int, attempts: int = 200) -> int:
-    """A base port with `count` free consecutive ports above it."""
-    rng = random.Random()
-    for _ in range(attempts):
-        base = rng.randrange(20_000, 60_000 - count)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
-
-
 def read_endpoints(path: Path) -> list[tuple[str, str]]:
     document = yaml.safe_load(path.read_text())
     return [(e["name"], e["address"]) for e in document["endpoints"]]
@@ -640,9 +618,7 @@ class DataPath:
 def data_path(policy: Policy, options: RunOptions, workdir: Path) -> Iterator[DataPath]:
     """A fresh fleet and the policy's router in front of it."""
     with contextlib.ExitStack() as stack:
-        fleet, endpoints = start_sim_fleet(
-            options.pods, free_port_range(3 * options.pods), workdir, options.fleet_args()
-        )
+        fleet, endpoints = start_sim_fleet(options.pods, workdir, options.fleet_args())
         stack.callback(fleet.stop)
         pods = read_endpoints(endpoints)
         if policy.kind == "epp":

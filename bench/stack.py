@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import http.client
 import os
+import random
 import shutil
 import signal
 import socket
@@ -35,22 +36,64 @@ ENVOY_LEAN_YAML = ROOT / "manifests" / "envoy" / "envoy-lean.yaml"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Why every port here is chosen below the ephemeral range: a port found free can
+# still be taken before its server binds it, and inside that range any outgoing
+# connection (Envoy's, the EPP's, a client's) may get it as its source port, which
+# once made a sim pod of a bench run die on "address already in use". Below it,
+# only another listener can take it.
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports (all held at once while chosen, so none repeats)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out as source ports of outgoing connections."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+LOWEST_PORT = 10_000
+
+
+def _all_bindable(ports: Iterable[int]) -> bool:
+    sockets: list[socket.socket] = []
+    try:
+        for port in ports:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
     finally:
         for s in sockets:
             s.close()
+
+
+def free_port_range(count: int, rng: random.Random, attempts: int = 200) -> int:
+    """A base port with `count` free consecutive ports from it, below the
+    ephemeral range."""
+    top = ephemeral_port_range()[0]
+    for _ in range(attempts):
+        base = rng.randrange(LOWEST_PORT, top - count)
+        if _all_bindable(range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found below port {top}")
+
+
+def free_ports(count: int, attempts: int = 200) -> list[int]:
+    """`count` distinct free ports below the ephemeral range."""
+    rng = random.Random()
+    top = ephemeral_port_range()[0]
+    for _ in range(attempts):
+        ports = rng.sample(range(LOWEST_PORT, top), count)
+        if _all_bindable(ports):
+            return ports
+    raise RuntimeError(f"no {count} free ports found below port {top}")
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 def envoy_binary() -> str:
@@ -623,14 +666,29 @@ class Pods:
 
 def start_sim_fleet(
     n: int,
-    base_port: int,
     workdir: Path,
     extra_args: Sequence[str] = (),
     timeout_s: float = 60.0,
+    attempts: int = 3,
 ) -> tuple[ManagedProcess, Path]:
-    """`python -m sim fleet`: n pods on ports base_port.. (HTTP), base_port+n..
-    (KV events), base_port+2n.. (replay); returns the fleet process (stopping it
-    stops every pod) and the endpoints file it wrote once all pods were healthy."""
+    """`python -m sim fleet`: n pods on 3n consecutive free ports (HTTP, then KV
+    events, then replay); returns the fleet process (stopping it stops every pod)
+    and the endpoints file it wrote once all pods were healthy. A pod that finds its
+    port taken after all (another listener got there between the check and the bind)
+    makes the fleet start again on other ports, up to `attempts` times."""
+    rng = random.Random()
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_sim_fleet(n, free_port_range(3 * n, rng), workdir, extra_args, timeout_s)
+        except ProcessFailed as failure:
+            if attempt == attempts or "address already in use" not in str(failure):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_sim_fleet(
+    n: int, base_port: int, workdir: Path, extra_args: Sequence[str], timeout_s: float
+) -> tuple[ManagedProcess, Path]:
     endpoints = workdir / "endpoints.yaml"
     endpoints.unlink(missing_ok=True)
     argv = [

@@ -41,6 +41,8 @@ ROLE_LABEL = "llm-d.ai/role"
 
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 60.0
+# How much of a dead pod's log the fleet prints (a traceback fits).
+POD_LOG_TAIL_LINES = 12
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def run_fleet(
                 if stop.requested:
                     return 130
                 if process.poll() is not None:
-                    print(f"fleet: {pod.name} exited with code {process.returncode}", flush=True)
+                    _report_exit(pod, process.returncode, log_dir)
                     return 1
                 if time.monotonic() > deadline:
                     print(f"fleet: {pod.name} not ready after {READY_TIMEOUT_S:.0f}s", flush=True)
@@ -189,7 +191,7 @@ def run_fleet(
         while not stop.requested:
             for pod, process in processes:
                 if process.poll() is not None:
-                    print(f"fleet: {pod.name} exited with code {process.returncode}", flush=True)
+                    _report_exit(pod, process.returncode, log_dir)
                     return 1
             time.sleep(0.2)
         return 0
@@ -200,6 +202,20 @@ def run_fleet(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         print("fleet: stopped", flush=True)
+
+
+def _report_exit(pod: FleetPod, code: int | None, log_dir: Path | None) -> None:
+    """Say which pod died and, when it has a log file, why: the caller of the fleet
+    (bench) shows only the fleet's own output."""
+    print(f"fleet: {pod.name} exited with code {code}", flush=True)
+    if log_dir is None:
+        return  # the pod wrote to the fleet's own stdout and stderr
+    try:
+        lines = (log_dir / f"{pod.name}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return
+    for line in lines[-POD_LOG_TAIL_LINES:]:
+        print(f"{pod.name}: {line}", flush=True)
 
 
 def _stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:

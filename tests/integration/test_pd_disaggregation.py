@@ -17,7 +17,6 @@ import yaml
 
 from bench.stack import ROOT, ManagedProcess, start_sim_fleet
 from tests.integration.conftest import Stack, running_stack
-from tests.integration.test_precise_prefix import _free_range
 
 POD_HEADER = "x-sim-pod"
 # Long enough that the decode pod lacks far more than nonCachedTokens (16) tokens.
@@ -31,7 +30,7 @@ def pd_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, 
     with contextlib.ExitStack() as cleanup:
         fleet: ManagedProcess
         fleet, endpoints = start_sim_fleet(
-            2, _free_range(6), workdir, ["--prefill-pods", "1", "--time-scale", "0.05"]
+            2, workdir, ["--prefill-pods", "1", "--time-scale", "0.05"]
         )
         cleanup.callback(fleet.stop)
         stack = cleanup.enter_context(

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,25 +48,6 @@ def config() -> str:
     )
 
 
-def _free_range(count: int) -> int:
-    """A base port with `count` free ports after it."""
-    for _ in range(50):
-        base = random.randint(20_000, 50_000)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 @pytest.fixture(scope="module")
 def precise_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
     workdir = tmp_path_factory.mktemp("precise")
@@ -77,7 +56,6 @@ def precise_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[St
         fleet: ManagedProcess
         fleet, endpoints = start_sim_fleet(
             3,
-            _free_range(9),
             workdir,
             ["--tokenizer", str(qwen), "--hash-seed", "0", "--time-scale", "0.02"],
         )

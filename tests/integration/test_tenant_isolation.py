@@ -21,7 +21,6 @@ import yaml
 
 from bench.stack import ManagedProcess, start_sim_fleet
 from tests.integration.conftest import Stack, running_stack
-from tests.integration.test_precise_prefix import _free_range
 from tests.testdata import qwen_dir
 
 POD_HEADER = "x-sim-pod"
@@ -74,7 +73,6 @@ def fleet_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
         fleet: ManagedProcess
         fleet, endpoints = start_sim_fleet(
             3,
-            _free_range(9),
             workdir,
             # A seed drawn per run, which the EPP is not told (its index keys
             # blocks by their tokens): the salts must keep tenants apart anyway.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,6 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.stack import (
+    ProcessFailed,
+    ephemeral_port_range,
+    free_port_range,
+    free_ports,
+    start_sim_fleet,
+)
 from sim.cli import fleet_main
 from sim.fleet import _healthy, endpoints_document, plan_fleet
 
@@ -63,31 +71,8 @@ def test_fleet_refuses_per_pod_options(tmp_path: Path) -> None:
         fleet_main([*argv, "--no-such-option"])
 
 
-def _free_range(count: int) -> int:
-    """A base port whose `count` successors are all free right now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + count >= 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 def test_real_fleet(tmp_path: Path) -> None:
-    base = _free_range(6)
+    base = free_port_range(6, random.Random())
     endpoints = tmp_path / "endpoints.yaml"
     process = subprocess.Popen(
         [
@@ -131,6 +116,79 @@ def test_real_fleet(tmp_path: Path) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
             s.listen()
+
+
+def test_a_pod_that_cannot_start_ends_the_fleet_and_the_fleet_says_why(tmp_path: Path) -> None:
+    base = free_port_range(3, random.Random())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base))  # sim-0's HTTP port
+        taken.listen()
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "sim", "fleet", "--n", "1", "--base-port", str(base),
+                "--endpoints-file", str(tmp_path / "e.yaml"), "--log-dir", str(tmp_path / "logs"),
+            ],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert "fleet: sim-0 exited with code 1" in done.stdout
+    # The pod's own reason, from its log, not only its exit code.
+    assert "sim-0: " in done.stdout
+    assert "address already in use" in done.stdout
+    assert not (tmp_path / "e.yaml").exists()
+
+
+def test_free_port_ranges_stay_below_the_ephemeral_ports() -> None:
+    rng = random.Random(7)
+    low = ephemeral_port_range()[0]
+    for _ in range(20):
+        base = free_port_range(30, rng)
+        assert base >= 10_000
+        assert base + 30 <= low
+    ports = free_ports(50)
+    assert len(set(ports)) == 50
+    assert all(10_000 <= port < low for port in ports)
+
+
+def test_a_fleet_start_that_loses_its_ports_starts_again_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken_base = free_port_range(3, random.Random())
+    chosen: list[int] = []
+
+    def first_taken_then_free(count: int, rng: random.Random) -> int:
+        base = taken_base if not chosen else free_port_range(count, rng)
+        chosen.append(base)
+        return base
+
+    monkeypatch.setattr("bench.stack.free_port_range", first_taken_then_free)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", taken_base))
+        taken.listen()
+        fleet, endpoints = start_sim_fleet(1, tmp_path, ["--time-scale", "0.01"])
+    try:
+        assert len(chosen) == 2
+        address = yaml.safe_load(endpoints.read_text())["endpoints"][0]["address"]
+        assert address == f"127.0.0.1:{chosen[1]}"
+        with urllib.request.urlopen(f"http://{address}/health") as response:
+            assert response.status == 200
+    finally:
+        fleet.stop()
+
+
+def test_a_fleet_that_fails_for_another_reason_is_not_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    starts: list[int] = []
+
+    def counted(count: int, rng: random.Random) -> int:
+        starts.append(count)
+        return free_port_range(count, rng)
+
+    monkeypatch.setattr("bench.stack.free_port_range", counted)
+    with pytest.raises(ProcessFailed, match="exited"):
+        start_sim_fleet(1, tmp_path, ["--num-gpu-blocks", "-5"])
+    assert starts == [3]
 
 
 def test_a_health_poll_that_gets_no_http_back_is_not_healthy_yet() -> None:
