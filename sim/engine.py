@@ -136,6 +136,10 @@ class RequestState(enum.Enum):
     ABORTED = "aborted"
 
 
+# The error every request in flight gets when the engine restarts.
+RESTARTED_ERROR = "engine restarted"
+
+
 @dataclass(frozen=True)
 class TokenOutput:
     """What a request's consumer receives: new tokens (the end when finish_reason is
@@ -325,9 +329,7 @@ class EngineCore:
         """Like an engine process restart: requests fail, cache and counters are empty."""
         for request in [*self.waiting, *self.receiving, *self.running]:
             request.state = RequestState.ABORTED
-            request.outputs.put_nowait(
-                TokenOutput(request.choice_index, (), error="engine restarted")
-            )
+            request.outputs.put_nowait(TokenOutput(request.choice_index, (), error=RESTARTED_ERROR))
         self.waiting.clear()
         self.receiving.clear()
         self.running.clear()

@@ -114,6 +114,16 @@ def add_parser(commands: Any) -> None:
     engine.add_argument("--num-gpu-blocks", type=int, help="KV blocks per pod (default: sim's)")
     engine.add_argument("--max-num-seqs", type=int, help="default: sim's")
     engine.add_argument("--max-model-len", type=int, help="default: sim's")
+    engine.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="pod restarts, evenly spaced over the arrivals, the pods taken in a seeded"
+        " order: a restarted pod's requests in flight fail (the client sends each again"
+        " at once) and its cache starts empty, while it stays in the pool (an engine"
+        " that restarts faster than the pod watcher sees, or a pool from an endpoints"
+        " file); not with --prefill-pods (default: 0)",
+    )
     defaults = Delays()
     delays = lab.add_argument_group("what the EPP sees, and how late (virtual seconds)")
     for flag, field, help_text in DELAY_FLAGS:
@@ -145,6 +155,10 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "--prefill-pods must be at least 0 and fewer than --pods (at most --pods with"
             " --prefill-role prefill-decode)"
         )
+    if args.restarts < 0:
+        problems.append("--restarts must be at least 0")
+    elif args.restarts and args.prefill_pods:
+        problems.append("--restarts are not modelled in a P/D fleet (--prefill-pods)")
     if args.burst < 1:
         problems.append("--burst must be at least 1")
     elif args.burst > 1 and args.workload == "trace":
@@ -185,6 +199,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
             epp_replicas=args.epp_replicas,
             prefill_pods=args.prefill_pods,
             prefill_role=args.prefill_role,
+            restarts=args.restarts,
         ),
         seeds=tuple(range(args.seed, args.seed + args.seeds)),
         load=load,

@@ -16,6 +16,14 @@ lab's event loop, with what the EPP can see of it.
   sidecar submits them (`remote_decode`, `remote`). A decode leg waiting for its KV
   transfer needs no step: the pod wakes itself when the transfer ends
   (`EngineCore.next_ready_at`).
+- **Restarts** (`restart`): at the end of the step in progress (at once when
+  idle) the engine process starts again: every request in flight gets an error
+  output, the cache is empty, and the pod keeps serving under the same address.
+  The new engine's KV-event stream starts afresh; a subscriber learns it from the
+  sequence numbers going back and clears what it held for the pod. The lab has no
+  sequence numbers, so the restarted engine's first batch starts with
+  `AllBlocksCleared`, which clears the same entries at the same moment. The pod's
+  counters run on over the restart: they are the run's totals.
 - **Metrics**: the EPP scrapes every pod every refresh interval; what a scrape
   returns is the pod's state at the moment it was taken. The pod keeps a short
   history of its state (waiting, running, KV usage after every change) so the
@@ -40,7 +48,7 @@ from sim.engine import (
     TokenOutput,
 )
 from sim.kv_cache import TokenSequence
-from sim.kv_events import KVEvent
+from sim.kv_events import AllBlocksCleared, KVEvent
 from sim.latency import LatencyModel
 
 # How much state history a pod keeps (virtual seconds): longer than any scrape
@@ -113,6 +121,9 @@ class LabPod:
         # (waiting, running, free blocks) of the last state recorded.
         self._last_state: tuple[int, int, int] | None = None
         self.busy_s = 0.0
+        self.restarts = 0
+        self._restart_due = False  # at the end of the step in progress
+        self._cleared = False  # the next KV-event batch starts with AllBlocksCleared
         self._record()
 
     @property
@@ -163,6 +174,25 @@ class LabPod:
         hits = kv.find_prefix_hit(sequence)
         return sequence, len(prompt_token_ids) - len(hits) * self.core.config.block_size
 
+    # -- restarts ---------------------------------------------------------------------
+
+    def restart(self) -> None:
+        """The engine process restarts (module docstring), now if it is idle, else
+        when the step in progress ends (its work is lost with the process)."""
+        if self._stepping:
+            self._restart_due = True
+            return
+        self._restart_now()
+
+    def _restart_now(self) -> None:
+        stats = self.core.stats
+        self.core.restart()  # every request in flight gets its error output
+        self.core.stats = stats
+        self.core.kv.pool.record_events = self._on_events is not None
+        self._cleared = True
+        self.restarts += 1
+        self._record()
+
     # -- steps ------------------------------------------------------------------------
 
     def _start_step(self) -> None:
@@ -192,6 +222,14 @@ class LabPod:
     def _end_step(self) -> None:
         step = self._step
         assert step is not None
+        if self._restart_due:
+            self._restart_due = False
+            self._step = None
+            self._stepping = False
+            self._restart_now()
+            if self.core.has_work:
+                self._start_step()
+            return
         core = self.core
         core.finish_step(step)
         if step.scheduled:
@@ -224,6 +262,9 @@ class LabPod:
     def _emit(self) -> None:
         events = self.core.take_events()
         if events and self._on_events is not None:
+            if self._cleared:
+                self._cleared = False
+                events = [AllBlocksCleared(), *events]
             self._on_events(self, events)
 
     # -- what a scrape sees -------------------------------------------------------------

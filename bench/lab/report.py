@@ -80,6 +80,15 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
         f"- delays (virtual s): {', '.join(f'{k} {v:g}' for k, v in setup['delays'].items())}",
         f"- EPP replicas behind Envoy: {setup.get('epp_replicas', 1)} (each with its own"
         " state; the peers' models are one router)",
+        *(
+            [
+                f"- pod restarts: {setup['restarts']} per run, evenly spaced over the"
+                " arrivals (bench/lab/pod.py); a restarted pod's requests in flight fail"
+                " (counted as errors) and are sent again"
+            ]
+            if setup.get("restarts")
+            else []
+        ),
         f"- engine: blocks of {setup['engine']['block_size']} tokens,"
         f" {setup['engine']['num_gpu_blocks']} blocks per pod,"
         f" max_num_seqs {setup['engine']['max_num_seqs']},"

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -70,7 +71,13 @@ from epp.director import Decision
 from epp.errors import EppError
 from epp.scheduling.registry import PluginRegistry
 from epp.scheduling.types import TTFT_OBSERVED, Usage
-from sim.engine import EngineConfig, EngineRequest, RemotePrefill, TokenOutput
+from sim.engine import (
+    RESTARTED_ERROR,
+    EngineConfig,
+    EngineRequest,
+    RemotePrefill,
+    TokenOutput,
+)
 from sim.kv_events import KVEvent
 from sim.latency import LatencyModel
 
@@ -274,10 +281,16 @@ class FleetSpec:
     # requests and decode (llm-d's role for pods that do both), so a decider that
     # disaggregates only when it pays loses no decode capacity.
     prefill_role: str = "prefill"
+    # Pod restarts over the run (`restart_schedule`); each pod stays in the pool.
+    restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.epp_replicas < 1:
             raise ValueError("a fleet needs at least one pod and one EPP replica")
+        if self.restarts < 0:
+            raise ValueError("restarts must be 0 or more")
+        if self.restarts and self.prefill_pods:
+            raise ValueError("pod restarts are not modelled in a P/D fleet (--prefill-pods)")
         if self.prefill_role not in PREFILL_ROLES:
             raise ValueError(f"the prefill role must be one of {', '.join(PREFILL_ROLES)}")
         most = self.pods if self.prefill_role == "prefill-decode" else self.pods - 1
@@ -334,7 +347,9 @@ class _Request:
         now = self.run.loop.now()
         seen = now + self.run.fleet.delays.response_s
         if output.error is not None:
-            self.run.loop.at(seen, lambda: self.run.failed(self, f"engine: {output.error}"))
+            # A pod that restarted dropped the request: the client sends it again.
+            again = output.error == RESTARTED_ERROR
+            self.run.loop.at(seen, lambda: self.run.failed(self, f"engine: {output.error}", again))
             return
         if self.first:
             self.first = False
@@ -395,6 +410,7 @@ class LabRun:
         # decode pod prefilled them).
         self.pd_requests = 0
         self.pd_fallbacks = 0
+        self.resent = 0  # requests sent again after their pod restarted
         self._ids = 0
         # Every request sent, with the headers it carried (per-tenant accounting).
         self.sent: list[tuple[_Request, tuple[tuple[str, str], ...]]] = []
@@ -484,10 +500,16 @@ class LabRun:
 
         self.loop.after(overhead, submit)
 
-    def failed(self, request: _Request, reason: str) -> None:
+    def failed(self, request: _Request, reason: str, again: bool = False) -> None:
+        """`again`: the client sends the same turn at once, as a new request (the
+        failed one stays an error; the new one's TTFT counts from its own send)."""
+        now = self.loop.now()
         request.record.error = reason
-        self.timing.last_done = max(self.timing.last_done, self.loop.now())
+        self.timing.last_done = max(self.timing.last_done, now)
         self.router.end(request.handle, None, completed=False)
+        if again:
+            self.resent += 1
+            self.send(request.session, request.turn_index, now)
 
     def done(self, request: _Request) -> None:
         now = self.loop.now()
@@ -512,6 +534,23 @@ class LabRun:
         if request.turn_index + 1 < len(session.turns):
             at = now + session.think_s
             self.loop.at(at, lambda: self.send(session, request.turn_index + 1, at))
+
+
+def restart_schedule(
+    restarts: int, pods: int, starts: Sequence[float], seed: int
+) -> list[tuple[float, int]]:
+    """(time, pod index) of each restart: evenly spaced inside the arrivals' span,
+    the pods taken in a seeded order, each once before any twice. The same for
+    every policy of a seed."""
+    if not restarts or not starts:
+        return []
+    first, last = min(starts), max(starts)
+    order = list(range(pods))
+    random.Random(f"lab-restarts:{seed}").shuffle(order)
+    return [
+        (first + (last - first) * (k + 1) / (restarts + 1), order[k % pods])
+        for k in range(restarts)
+    ]
 
 
 def start_times(
@@ -551,8 +590,12 @@ def run_once(
         if router.wants_events:
             for pod in pods:
                 pod.on_events = router.on_events
-        run = LabRun(router, pods, loop, fleet, workload, start_times(workload, rate, seed, burst))
+        starts = start_times(workload, rate, seed, burst)
+        run = LabRun(router, pods, loop, fleet, workload, starts)
         run.start()
+        restarts = restart_schedule(fleet.restarts, len(pods), starts, seed)
+        for at, index in restarts:
+            loop.at(at, pods[index].restart)
         loop.run()
         counters = {
             pod.name: PodCounters(
@@ -581,6 +624,12 @@ def run_once(
         result["tpot_p90_s"] = percentile(tpots, 0.90)
         if fleet.prefill_pods:
             result["pd"] = pd_summary(run, pods)
+        if fleet.restarts:
+            result["restarts"] = {
+                "at_s": [at for at, _ in restarts],
+                "pods": [pods[index].name for _, index in restarts],
+                "resent": run.resent,
+            }
     finally:
         router.close()
     result["wall_s"] = time.perf_counter() - wall
@@ -905,6 +954,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
             "latency_model": asdict(fleet.latency),
             "delays": fleet.delays.to_json(),
             "epp_replicas": fleet.epp_replicas,
+            "restarts": fleet.restarts,
             "tokenizer": portable_path(options.tokenizer) if options.tokenizer else "builtin",
             **(
                 {"burst_window_s": list(window)}

@@ -13,7 +13,7 @@ from bench.__main__ import main
 from bench.lab import summary
 from bench.lab.cli import DELAY_FLAGS
 from bench.lab.epp import Delays
-from bench.lab.run import FleetSpec, LabOptions, run_lab
+from bench.lab.run import FleetSpec, LabOptions, restart_schedule, run_lab
 from bench.workloads import Words, WorkloadSpec, default_tokenizer_dir
 
 SMALL = {
@@ -105,6 +105,8 @@ def test_the_command_line_runs_and_rejects_bad_input(
         (["--burst", "0"], "--burst must be at least 1"),
         (["--epp-replicas", "0"], "--epp-replicas must be at least 1"),
         (["--workload", "trace", "--trace", str(out), "--burst", "4"], "--burst shapes Poisson"),
+        (["--restarts", "-1"], "--restarts must be at least 0"),
+        (["--restarts", "2", "--prefill-pods", "1"], "--restarts are not modelled in a P/D"),
     ]:
         bad_out = tmp_path / "bad"
         code = main(["lab", "--pods", "2", "--seeds", "1", "--out", str(bad_out), *bad])
@@ -158,6 +160,41 @@ def test_epp_replicas_each_keep_their_own_state(tmp_path: Path, qwen_words: Word
     # less than one EPP does. The precise indexes all follow every pod's KV events.
     assert four["policies"]["default"]["hit_rate"] < one["policies"]["default"]["hit_rate"]
     assert four["policies"]["precise-prefix"]["hit_rate"] > four["policies"]["default"]["hit_rate"]
+
+
+def test_restarts_are_spread_over_the_arrivals_and_the_pods() -> None:
+    starts = [1.0 + 0.01 * i for i in range(1001)]  # arrivals from 1 s to 11 s
+    schedule = restart_schedule(6, 4, starts, seed=3)
+    assert [at for at, _ in schedule] == pytest.approx([1 + 10 * k / 7 for k in range(1, 7)])
+    pods = [pod for _, pod in schedule]
+    assert sorted(pods[:4]) == [0, 1, 2, 3]  # each pod once before any twice
+    assert pods[4:] == pods[:2]
+    assert restart_schedule(6, 4, starts, seed=3) == schedule  # the same for every policy
+    assert restart_schedule(6, 4, starts, seed=4) != schedule
+    assert restart_schedule(0, 4, starts, seed=3) == []
+
+
+def test_a_restarted_pods_requests_are_sent_again_and_all_complete(
+    tmp_path: Path, qwen_words: Words
+) -> None:
+    spec = options(tmp_path / "restarts", ("default", "precise-prefix"), seeds=(0,))
+    document = run_lab(replace(spec, fleet=FleetSpec(4, restarts=2)))
+    assert document["setup"]["restarts"] == 2
+    report = (tmp_path / "restarts" / "report.md").read_text()
+    assert "pod restarts: 2 per run" in report
+    schedules = []
+    for name in ("default", "precise-prefix"):
+        (run,) = document["policies"][name]["runs"]
+        schedules.append((run["restarts"]["at_s"], run["restarts"]["pods"]))
+        # Every request a restart dropped is an error, sent again, and then served.
+        assert run["errors"] == run["restarts"]["resent"]
+        assert run["ok_requests"] == 32
+        assert run["requests"] == 32 + run["errors"]
+    assert schedules[0] == schedules[1]
+    assert len(schedules[0][1]) == 2
+    # At this load every pod has requests in flight most of the time.
+    (run,) = document["policies"]["default"]["runs"]
+    assert run["errors"] > 0
 
 
 def test_predictions_are_set_beside_what_the_epp_then_observed(

@@ -13,7 +13,7 @@ from bench.lab.pod import LabPod
 from epp.clock import VirtualClock
 from epp.scheduling.registry import PluginRegistry
 from sim.engine import EngineConfig, TokenOutput
-from sim.kv_events import BlockStored, KVEvent
+from sim.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from sim.latency import LatencyModel
 
 
@@ -141,3 +141,47 @@ def test_a_scrape_landing_late_has_seen_the_picks_before_it_was_taken() -> None:
         assert endpoint.metrics.routed_seen == 3
     finally:
         epp.close()
+
+
+def test_a_restart_fails_the_requests_in_flight_and_empties_the_cache() -> None:
+    loop = EventLoop(VirtualClock(0.0))
+    events: list[tuple[float, list[KVEvent]]] = []
+    pod = pod_with(loop, events)
+    prompt = list(range(100, 164))  # 4 blocks
+    pod.submit(prompt, 1, Collect(loop))
+    loop.run()
+    assert pod.core.stats.prefix_cache_queries == 64
+    events.clear()
+    # A request in its prefill step when the restart comes: the step's work is lost
+    # with the process, at the end of that step; the request gets an error.
+    victim = Collect(loop)
+    sent = loop.now()
+    pod.submit(list(range(500, 564)), 50, victim)
+    step = LatencyModel().prefill_time(64)
+    loop.at(sent + step / 2, pod.restart)
+    loop.run()
+    assert [o.error for o in victim.outputs] == ["engine restarted"]
+    assert victim.times == [pytest.approx(sent + step)]
+    assert pod.restarts == 1
+    assert events == []  # the lost step stored nothing
+    # The counters are the run's: they go on over the restart.
+    assert pod.core.stats.prefix_cache_queries == 128
+    # The cache is empty: the first prompt hits nothing now, and the new engine's
+    # first KV-event batch clears what a subscriber held for the pod before storing.
+    again = pod.submit(prompt, 1, Collect(loop))
+    loop.run()
+    assert again.num_cached_tokens == 0
+    first_batch = events[0][1]
+    assert isinstance(first_batch[0], AllBlocksCleared)
+    assert isinstance(first_batch[1], BlockStored)
+    assert not any(isinstance(e, AllBlocksCleared) for _, batch in events[1:] for e in batch)
+
+
+def test_an_idle_pod_restarts_at_once() -> None:
+    loop = EventLoop(VirtualClock(0.0))
+    pod = pod_with(loop, [])
+    pod.submit(list(range(64)), 1, Collect(loop))
+    loop.run()
+    pod.restart()
+    assert pod.restarts == 1
+    assert pod.prepare(list(range(64)))[1] == 64  # nothing of it cached any more
