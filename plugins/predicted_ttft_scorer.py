@@ -73,6 +73,15 @@ them, whose decode steps then slow down for every stream on it (the whole
 Mooncake trace on 64 pods at 0.8: one pod decoding several times a typical
 pod's context set the run's length; see docs/routing.md, The decode load).
 
+`spreadFactor` (none: off; the lab profile predicted-ttft-decode3-spread2 sets 2):
+for a request that continues no earlier one (a new question over a shared prompt,
+a conversation's first turn), a pod with more than that many times the fleet's
+mean tokens in flight is charged the work of a miss for its hit, in proportion to
+the share of candidates with no prefill queued, as a decode-heavy pod is. A hot
+prompt's holders otherwise keep its requests while pods idle, and a cold start's
+first turns gather where the system prompt is; the turns that follow stay where
+their history is, charged nothing (docs/routing.md, Spreading what starts).
+
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
 best is logged at debug level. Without the producer's data every endpoint
@@ -120,6 +129,7 @@ class PredictedTtftScorer:
         queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
+        spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -132,6 +142,7 @@ class PredictedTtftScorer:
         self.queue_weight = params.queue_weight
         self.work_weight = params.work_weight
         self.decode_balance_factor = params.decode_balance_factor
+        self.spread_factor = params.spread_factor
         self._warned = False
 
     def score(
@@ -218,6 +229,21 @@ class PredictedTtftScorer:
                 }
                 best = min(seconds.values())
                 crowded |= heavy
+        if self.spread_factor is not None and not predictions.continues:
+            # A request that starts something (a new question over a shared prompt, a
+            # conversation's first turn): the requests like it that follow go where it
+            # goes, so while pods idle, a pod far above the fleet's mean tokens in
+            # flight is charged the work of a miss for its hit, as a decode-heavy pod
+            # is. A request that continues one stays with its history.
+            spread_limit = self.spread_factor * max(1.0, sum(tokens.values()) / len(tokens))
+            swamped = {e for e in endpoints if tokens[e] > spread_limit}
+            idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
+            if swamped and idle > 0.0:
+                seconds = {
+                    e: s + idle * (miss - predictions.predict(e).own_work_s) if e in swamped else s
+                    for e, s in seconds.items()
+                }
+                best = min(seconds.values())
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds
             # delays the requests that queue behind it there, so on a busy fleet

@@ -617,3 +617,55 @@ def test_the_decode_balance_factor_counts_a_heavy_pods_hit_as_a_miss(
 def test_a_decode_balance_factor_of_one_or_less_is_refused() -> None:
     with pytest.raises(InvalidConfig, match="decodeBalanceFactor"):
         load(one_plugin_config("predicted-ttft-scorer", {"decodeBalanceFactor": 1.0}))
+
+
+@pytest.mark.parametrize(
+    ("factor", "continues", "c_queues", "winner"),
+    [
+        (None, False, False, 0),  # off: a's hit wins, however crowded a is
+        (4.0, False, False, 0),  # a has under four times the mean tokens in flight
+        (2.0, False, False, 1),  # crowded: a's hit is charged as a miss, b is idle
+        (2.0, True, False, 0),  # a turn that continues one stays with its history
+        (2.0, False, True, 0),  # c queues: two thirds of a miss, and a's hit wins again
+    ],
+)
+def test_the_spread_factor_charges_a_crowded_pods_hit_to_a_request_that_starts_something(
+    factor: float | None, continues: bool, c_queues: bool, winner: int
+) -> None:
+    """a holds 95 of the prompt's 100 blocks and has eight requests in flight, b
+    holds nothing and has none, c holds nothing and has one (and with `c_queues`
+    it is queued for prefill; otherwise it decodes)."""
+    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(spread_factor=factor))
+    a, b, c = make_endpoints(3)
+    for pod, count in ((a, 8), (c, 1)):
+        for _ in range(count):
+            req, cycle = fleet.route(pod, {pod: 95.0})
+            if pod is a or not c_queues:
+                fleet.producer.response_first_chunk(req, cycle, routed(("default", pod)), 0.03)
+    cycle = CycleState()
+    info = PrefixMatchInfo(100, 40, {a: 95.0}, continues=continues)
+    cycle.put(prefix_match_key("approx-prefix-cache-producer"), info)
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert predictions is not None
+    mean = sum(predictions.tokens_in_flight(e) for e in (a, b, c)) / 3
+    assert 2.0 * mean < predictions.tokens_in_flight(a) < 4.0 * mean
+    assert fleet.seconds(cycle, a) * 1.25 < fleet.seconds(cycle, b)  # a's hit: no tie
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    assert scores[[a, b][winner]] == 1.0 == max(scores.values())
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = {e: notes["predicted-ttft-scorer"][e.name] for e in (a, b, c)}
+    own = {e: n["prefillMs"] + n["attentionMs"] for e, n in explained.items()}
+    charged = factor == 2.0 and not continues
+    idle = 2 / 3 if c_queues else 1.0
+    assert explained[a]["costMs"] == pytest.approx(
+        explained[a]["predictedTtftMs"] + (idle * (max(own.values()) - own[a]) if charged else 0),
+        abs=0.01,
+    )
+    assert explained[b]["costMs"] == pytest.approx(explained[b]["predictedTtftMs"], abs=0.01)
+
+
+def test_a_spread_factor_of_one_or_less_is_refused() -> None:
+    with pytest.raises(InvalidConfig, match="spreadFactor"):
+        load(one_plugin_config("predicted-ttft-scorer", {"spreadFactor": 1.0}))
