@@ -100,7 +100,12 @@ from epp.datastore import Endpoint
 from epp.requests import InferenceRequest
 from epp.scheduling import CycleState, PluginContext, explain_note, explaining
 
-from .predicted_ttft_producer import DEFAULT_PRODUCER, TtftPrediction, predicted_ttft_key
+from .predicted_ttft_producer import (
+    DEFAULT_PRODUCER,
+    TtftPrediction,
+    TtftPredictions,
+    predicted_ttft_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +122,28 @@ def _uncached_tenths(p: TtftPrediction) -> int:
     for pods that hold the same prefix to within a block or two."""
     total = p.cached_tokens + p.uncached_tokens
     return round(10 * p.uncached_tokens / total) if total > 0 else 0
+
+
+def _above(values: Mapping[Endpoint, int], factor: float) -> set[Endpoint]:
+    """The endpoints whose value is more than `factor` times the mean of them all
+    (a mean under 1 counts as 1: an idle fleet has no outliers)."""
+    limit = factor * max(1.0, sum(values.values()) / len(values))
+    return {e for e, v in values.items() if v > limit}
+
+
+def _charged_a_miss(
+    seconds: Mapping[Endpoint, float],
+    pods: set[Endpoint],
+    share: float,
+    miss: float,
+    predictions: TtftPredictions,
+) -> dict[Endpoint, float]:
+    """`seconds` with each of `pods` charged `share` of what its hit saves: the work
+    of a miss (the most any candidate would prefill) less its own."""
+    return {
+        e: s + share * (miss - predictions.predict(e).own_work_s) if e in pods else s
+        for e, s in seconds.items()
+    }
 
 
 class PredictedTtftScorer:
@@ -192,6 +219,8 @@ class PredictedTtftScorer:
             charges = {e: turns * (loads[e] - mean) * least_work for e in endpoints}
             seconds = {e: max(_FLOOR_S, s + charges[e]) for e, s in seconds.items()}
         best = min(seconds.values())
+        # The share of candidates with no prefill queued.
+        idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
         # Ties are as wide as the predictions' error, a share of the best prediction,
         # whatever the queue weight.
         tie_base = best
@@ -200,33 +229,24 @@ class PredictedTtftScorer:
             # queue delays the requests behind it that could have gone there; when
             # every pod queues, the queue is everywhere and what counts is the work
             # the pick adds (spreading then costs hits the fleet has no room for).
-            idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
             extra = (self.queue_weight - 1.0) * idle
             seconds = {e: s + extra * queued[e] for e, s in seconds.items()}
             best = min(seconds.values())
         # Crowded: more than `balanceFactor` times the fleet's mean tokens in flight.
         # Both the work weight and the tie rank count such a pod as holding nothing.
         tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
-        limit = self.balance_factor * max(1.0, sum(tokens.values()) / len(tokens))
-        crowded = {e for e in endpoints if tokens[e] > limit}
+        crowded = _above(tokens, self.balance_factor)
         if self.decode_balance_factor is not None:
             # Decode-heavy: the contexts this pod decodes are far above the fleet's
             # mean, so every stream there steps slowly; a hit there is charged as a
             # miss, so requests that chase it go where decoding is lighter (some pod
             # always is: none is above k > 1 times the mean of them all).
             context = {e: predictions.decoding_tokens(e) for e in endpoints}
-            decode_limit = self.decode_balance_factor * max(
-                1.0, sum(context.values()) / len(context)
-            )
-            heavy = {e for e in endpoints if context[e] > decode_limit}
+            heavy = _above(context, self.decode_balance_factor)
             # In proportion to the pods with no prefill queued, as the queue weight:
             # when every pod queues, the fleet has no room for the prefill a miss adds.
-            idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
             if heavy and idle > 0.0:
-                seconds = {
-                    e: s + idle * (miss - predictions.predict(e).own_work_s) if e in heavy else s
-                    for e, s in seconds.items()
-                }
+                seconds = _charged_a_miss(seconds, heavy, idle, miss, predictions)
                 best = min(seconds.values())
                 crowded |= heavy
         if self.spread_factor is not None and not predictions.continues:
@@ -235,14 +255,9 @@ class PredictedTtftScorer:
             # goes, so while pods idle, a pod far above the fleet's mean tokens in
             # flight is charged the work of a miss for its hit, as a decode-heavy pod
             # is. A request that continues one stays with its history.
-            spread_limit = self.spread_factor * max(1.0, sum(tokens.values()) / len(tokens))
-            swamped = {e for e in endpoints if tokens[e] > spread_limit}
-            idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
+            swamped = _above(tokens, self.spread_factor)
             if swamped and idle > 0.0:
-                seconds = {
-                    e: s + idle * (miss - predictions.predict(e).own_work_s) if e in swamped else s
-                    for e, s in seconds.items()
-                }
+                seconds = _charged_a_miss(seconds, swamped, idle, miss, predictions)
                 best = min(seconds.values())
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 import pytest
@@ -598,20 +599,30 @@ def test_the_decode_balance_factor_counts_a_heavy_pods_hit_as_a_miss(
     assert fleet.seconds(cycle, a) * 1.25 < fleet.seconds(cycle, b)  # a's hit: no tie
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
     assert scores[[a, b][winner]] == 1.0 == max(scores.values())
-    notes = cycle.get(EXPLAIN_NOTES)
-    assert notes is not None
-    explained = {e: notes["predicted-ttft-scorer"][e.name] for e in (a, b, c)}
+    explained = _explained(cycle, (a, b, c))
     assert [explained[e]["decodingTokens"] for e in (a, b, c)] == [20000, 0, 4000]
-    own = {e: n["prefillMs"] + n["attentionMs"] for e, n in explained.items()}
-    heavy = factor == 2.0
     # A heavy pod is charged the work of a miss (the most any candidate prefills),
     # in proportion to the pods with no prefill queued.
     idle = 2 / 3 if c_queues else 1.0
-    assert explained[a]["costMs"] == pytest.approx(
-        explained[a]["predictedTtftMs"] + (idle * (max(own.values()) - own[a]) if heavy else 0.0),
-        abs=0.01,
+    _assert_charged_a_miss(explained, a, idle if factor == 2.0 else 0.0)
+    _assert_charged_a_miss(explained, b, 0.0)
+
+
+def _explained(cycle: CycleState, pods: Sequence[Endpoint]) -> dict[Endpoint, dict[str, Any]]:
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    return {e: notes["predicted-ttft-scorer"][e.name] for e in pods}
+
+
+def _assert_charged_a_miss(
+    explained: Mapping[Endpoint, Mapping[str, Any]], pod: Endpoint, share: float
+) -> None:
+    """`pod`'s cost is its prediction plus `share` of the work a miss (the most any
+    candidate prefills) adds over its own."""
+    own = {e: n["prefillMs"] + n["attentionMs"] for e, n in explained.items()}
+    assert explained[pod]["costMs"] == pytest.approx(
+        explained[pod]["predictedTtftMs"] + share * (max(own.values()) - own[pod]), abs=0.01
     )
-    assert explained[b]["costMs"] == pytest.approx(explained[b]["predictedTtftMs"], abs=0.01)
 
 
 def test_a_decode_balance_factor_of_one_or_less_is_refused() -> None:
@@ -653,17 +664,10 @@ def test_the_spread_factor_charges_a_crowded_pods_hit_to_a_request_that_starts_s
     assert fleet.seconds(cycle, a) * 1.25 < fleet.seconds(cycle, b)  # a's hit: no tie
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
     assert scores[[a, b][winner]] == 1.0 == max(scores.values())
-    notes = cycle.get(EXPLAIN_NOTES)
-    assert notes is not None
-    explained = {e: notes["predicted-ttft-scorer"][e.name] for e in (a, b, c)}
-    own = {e: n["prefillMs"] + n["attentionMs"] for e, n in explained.items()}
-    charged = factor == 2.0 and not continues
+    explained = _explained(cycle, (a, b, c))
     idle = 2 / 3 if c_queues else 1.0
-    assert explained[a]["costMs"] == pytest.approx(
-        explained[a]["predictedTtftMs"] + (idle * (max(own.values()) - own[a]) if charged else 0),
-        abs=0.01,
-    )
-    assert explained[b]["costMs"] == pytest.approx(explained[b]["predictedTtftMs"], abs=0.01)
+    _assert_charged_a_miss(explained, a, idle if factor == 2.0 and not continues else 0.0)
+    _assert_charged_a_miss(explained, b, 0.0)
 
 
 def test_a_spread_factor_of_one_or_less_is_refused() -> None:
