@@ -115,6 +115,10 @@ class EngineConfig:
             raise ValueError("time_scale must be > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be >= 2 (block 0 is reserved)")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
 
 
 class SimClock:

@@ -92,3 +92,19 @@ def test_bad_kv_transfer_settings_are_refused(flags: list[str]) -> None:
     parser = _serve_parser("sim serve")
     with pytest.raises(SystemExit, match="kv_transfer"):
         config_from_args(parser.parse_args(["--port", "1", *flags]))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--num-gpu-blocks", "1", "num_gpu_blocks must be >= 2"),
+        ("--num-gpu-blocks", "-5", "num_gpu_blocks must be >= 2"),
+        ("--block-size", "0", "block_size must be >= 1"),
+        ("--max-num-seqs", "0", "max_num_seqs and max_num_batched_tokens must be >= 1"),
+        ("--time-scale", "0", "time_scale must be > 0"),
+    ],
+)
+def test_a_pod_refuses_an_engine_it_cannot_build(flag: str, value: str, message: str) -> None:
+    parser = _serve_parser("sim serve")
+    with pytest.raises(SystemExit, match=message):
+        config_from_args(parser.parse_args(["--port", "1", flag, value]))
