@@ -55,6 +55,17 @@ def ephemeral_port_range() -> tuple[int, int]:
 LOWEST_PORT = 10_000
 
 
+def _ports_below_ephemeral(count: int) -> range:
+    """Where this module picks ports, with room for `count` of them."""
+    top = ephemeral_port_range()[0]
+    if top - LOWEST_PORT <= count:
+        raise RuntimeError(
+            f"no room for {count} ports between {LOWEST_PORT} and the ephemeral range,"
+            f" which starts at {top} (/proc/sys/net/ipv4/ip_local_port_range)"
+        )
+    return range(LOWEST_PORT, top)
+
+
 def _all_bindable(ports: Iterable[int]) -> bool:
     sockets: list[socket.socket] = []
     try:
@@ -73,23 +84,23 @@ def _all_bindable(ports: Iterable[int]) -> bool:
 def free_port_range(count: int, rng: random.Random, attempts: int = 200) -> int:
     """A base port with `count` free consecutive ports from it, below the
     ephemeral range."""
-    top = ephemeral_port_range()[0]
+    ports = _ports_below_ephemeral(count)
     for _ in range(attempts):
-        base = rng.randrange(LOWEST_PORT, top - count)
+        base = rng.randrange(ports.start, ports.stop - count)
         if _all_bindable(range(base, base + count)):
             return base
-    raise RuntimeError(f"no {count} consecutive free ports found below port {top}")
+    raise RuntimeError(f"no {count} consecutive free ports found below port {ports.stop}")
 
 
 def free_ports(count: int, attempts: int = 200) -> list[int]:
     """`count` distinct free ports below the ephemeral range."""
     rng = random.Random()
-    top = ephemeral_port_range()[0]
+    candidates = _ports_below_ephemeral(count)
     for _ in range(attempts):
-        ports = rng.sample(range(LOWEST_PORT, top), count)
+        ports = rng.sample(candidates, count)
         if _all_bindable(ports):
             return ports
-    raise RuntimeError(f"no {count} free ports found below port {top}")
+    raise RuntimeError(f"no {count} free ports found below port {candidates.stop}")
 
 
 def free_port() -> int:
@@ -677,13 +688,13 @@ def start_sim_fleet(
     port taken after all (another listener got there between the check and the bind)
     makes the fleet start again on other ports, up to `attempts` times."""
     rng = random.Random()
-    for attempt in range(1, attempts + 1):
+    for _ in range(attempts - 1):
         try:
             return _start_sim_fleet(n, free_port_range(3 * n, rng), workdir, extra_args, timeout_s)
         except ProcessFailed as failure:
-            if attempt == attempts or "address already in use" not in str(failure):
+            if "address already in use" not in str(failure):
                 raise
-    raise AssertionError("unreachable")
+    return _start_sim_fleet(n, free_port_range(3 * n, rng), workdir, extra_args, timeout_s)
 
 
 def _start_sim_fleet(

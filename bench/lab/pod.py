@@ -121,7 +121,6 @@ class LabPod:
         # (waiting, running, free blocks) of the last state recorded.
         self._last_state: tuple[int, int, int] | None = None
         self.busy_s = 0.0
-        self.restarts = 0
         self._restart_due = False  # at the end of the step in progress
         self._cleared = False  # the next KV-event batch starts with AllBlocksCleared
         self._record()
@@ -190,7 +189,6 @@ class LabPod:
         self.core.stats = stats
         self.core.kv.pool.record_events = self._on_events is not None
         self._cleared = True
-        self.restarts += 1
         self._record()
 
     # -- steps ------------------------------------------------------------------------

@@ -209,3 +209,14 @@ def test_a_health_poll_that_gets_no_http_back_is_not_healthy_yet() -> None:
         thread.start()
         assert _healthy(f"http://127.0.0.1:{port}/health") is False
         thread.join(5)
+
+
+def test_no_room_below_the_ephemeral_ports_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("bench.stack.ephemeral_port_range", lambda: (10_020, 60_999))
+    with pytest.raises(RuntimeError, match="no room for 30 ports"):
+        free_port_range(30, random.Random())
+    with pytest.raises(RuntimeError, match="ip_local_port_range"):
+        free_ports(30)
+    assert 10_000 <= free_port_range(5, random.Random()) <= 10_015

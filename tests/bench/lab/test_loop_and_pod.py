@@ -162,7 +162,7 @@ def test_a_restart_fails_the_requests_in_flight_and_empties_the_cache() -> None:
     loop.run()
     assert [o.error for o in victim.outputs] == ["engine restarted"]
     assert victim.times == [pytest.approx(sent + step)]
-    assert pod.restarts == 1
+    assert pod.core.restarts == 1
     assert events == []  # the lost step stored nothing
     # The counters are the run's: they go on over the restart.
     assert pod.core.stats.prefix_cache_queries == 128
@@ -183,5 +183,5 @@ def test_an_idle_pod_restarts_at_once() -> None:
     pod.submit(list(range(64)), 1, Collect(loop))
     loop.run()
     pod.restart()
-    assert pod.restarts == 1
+    assert pod.core.restarts == 1
     assert pod.prepare(list(range(64)))[1] == 64  # nothing of it cached any more
