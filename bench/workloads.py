@@ -147,11 +147,14 @@ class Workload:
         different conversations interleave in time; this order keeps each conversation's
         turns in sequence, which is all the bounds depend on when conversations share
         nothing but the system prompt."""
-        sessions = sorted(
+        return [turn for s in self.nominal_sessions() for turn in s.turns]
+
+    def nominal_sessions(self) -> list[Session]:
+        """The sessions in `nominal_order`'s order."""
+        return sorted(
             self.sessions,
             key=lambda s: (s.arrival_s if s.arrival_s is not None else 0.0, s.id),
         )
-        return [turn for s in sessions for turn in s.turns]
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -192,6 +192,9 @@ class EngineRequest:
     num_cached_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = 0.0
+    # When it was first taken from the waiting queue into a step (None: not yet); a
+    # preempted request keeps its first.
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
     # True: `outputs` gets the first token and the end only, for a consumer that times
@@ -581,6 +584,8 @@ class EngineCore:
             request.num_computed_tokens = computed
             request.order = self._admissions
             self._admissions += 1
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.now()
             running.append(request)
             loud.append(request)
             if request.num_cached_tokens is None:

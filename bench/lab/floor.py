@@ -48,17 +48,27 @@ def request_floor_s(
     delays: Delays,
 ) -> float:
     """One request's floor TTFT (the module docstring), in seconds."""
-    if not 0 <= hit_tokens < prompt_tokens:
-        raise ValueError("a request computes at least one prompt token: 0 <= hit < prompt")
     uncached = prompt_tokens - hit_tokens
     seconds = min(delays.route_s, delays.peer_route_s)
     seconds += delays.pod_overhead_s + delays.pod_overhead_per_token_s * uncached
+    seconds += prefill_alone_s(prompt_tokens, hit_tokens, engine, latency)
+    return seconds + delays.response_s
+
+
+def prefill_alone_s(
+    prompt_tokens: int, hit_tokens: int, engine: EngineConfig, latency: LatencyModel
+) -> float:
+    """The engine's time for a prompt's tokens past `hit_tokens`, prefilled in chunks
+    of `max_num_batched_tokens` with nothing else in the steps, in seconds."""
+    if not 0 <= hit_tokens < prompt_tokens:
+        raise ValueError("a request computes at least one prompt token: 0 <= hit < prompt")
+    seconds = 0.0
     done = hit_tokens
     while done < prompt_tokens:
         chunk = min(engine.max_num_batched_tokens, prompt_tokens - done)
         seconds += latency.step_time([StepChunk(chunk, done)])
         done += chunk
-    return seconds + delays.response_s
+    return seconds
 
 
 def ttft_floor(

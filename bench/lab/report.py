@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.lab.breakdown import report_lines as breakdown_report
 from bench.lab.tenants import report_lines as tenants_report
 from bench.provenance import produced_by
 from bench.stats import pm
@@ -142,6 +143,7 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
             ],
             "",
         ]
+    lines += breakdown_report(document["policies"])
     lines += tenants_report(document["policies"])
     speed = ", ".join(
         f"{name} {r['wall_s']:.1f} s" for name, r in document["policies"].items() if r.get("wall_s")

@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from bench.bounds import Bounds, compute_bounds
 from bench.client import Record, RunTiming, poisson_starts
+from bench.lab.breakdown import PART_KEYS, RequestKey, ServedWhole, summarize_parts
 from bench.lab.epp import Delays, LabEpp
 from bench.lab.floor import TtftFloor, ttft_floor
 from bench.lab.loop import EventLoop
@@ -104,8 +105,13 @@ MEAN_KEYS = (
     "ttft_prediction_error_p50",
     "ttft_prediction_error_p90",
     "ttft_prediction_bias_p50",
+    *PART_KEYS,
 )
-PREDICTION_KEYS = MEAN_KEYS[-3:]
+PREDICTION_KEYS = (
+    "ttft_prediction_error_p50",
+    "ttft_prediction_error_p90",
+    "ttft_prediction_bias_p50",
+)
 
 
 class Router(Protocol):
@@ -411,6 +417,8 @@ class LabRun:
         self.pd_requests = 0
         self.pd_fallbacks = 0
         self.resent = 0  # requests sent again after their pod restarted
+        # Each request served whole, as its engine timed it (bench/lab/breakdown.py).
+        self.served_whole: list[ServedWhole] = []
         self._ids = 0
         # Every request sent, with the headers it carried (per-tenant accounting).
         self.sent: list[tuple[_Request, tuple[tuple[str, str], ...]]] = []
@@ -457,6 +465,7 @@ class LabRun:
                 return
             if prefill is not None and prefill is not pod:
                 self.pd_requests += 1
+                request.record.prefill_pod = prefill.name
                 self.prefill_leg(request, prefill, prompt)
                 return
             self.submit_local(request, prompt, None)
@@ -524,6 +533,24 @@ class LabRun:
         record.prompt_tokens = engine_request.prompt_len
         record.cached_tokens = engine_request.num_cached_tokens or 0
         record.output_tokens = len(engine_request.output_token_ids)
+        scheduled_at = engine_request.first_scheduled_time
+        first_token_at = engine_request.first_token_time
+        if (
+            record.prefill_pod is None
+            and record.ttft_s is not None
+            and scheduled_at is not None
+            and first_token_at is not None
+        ):
+            self.served_whole.append(
+                ServedWhole(
+                    (request.session.id, request.turn_index),
+                    record.ttft_s,
+                    record.prompt_tokens,
+                    record.cached_tokens,
+                    scheduled_at - engine_request.arrival_time,
+                    first_token_at - scheduled_at,
+                )
+            )
         if record.output_tokens > 1:
             seen = now  # `done` runs when the last token reaches the client
             self.tpots.append((seen - request.first_seen) / (record.output_tokens - 1))
@@ -575,9 +602,12 @@ def run_once(
     rate: float | None,
     seed: int,
     burst: int = 1,
+    star_hits: Mapping[RequestKey, int] | None = None,
 ) -> dict[str, Any]:
     """One policy on one seed, from cold; its `bench run`-shaped summary plus the
-    lab's own keys and the raw TTFTs (`ttfts_s`) and picks over time (`picks`)."""
+    lab's own keys and the raw TTFTs (`ttfts_s`) and picks over time (`picks`).
+    With each request's h* hit tokens (`star_hits`, from `_bounds`), where its
+    requests' TTFT went (bench/lab/breakdown.py); without, those keys are None."""
     wall = time.perf_counter()
     clock = VirtualClock(0.0)
     loop = EventLoop(clock)
@@ -612,6 +642,13 @@ def run_once(
         result = summarize(run.records, run.timing, counters, 1.0, max_error_rate=1.0)
         result["router"] = router.describe()
         account(run.records, result)
+        result.update(
+            dict.fromkeys(PART_KEYS)
+            if star_hits is None
+            else summarize_parts(
+                run.served_whole, star_hits, fleet.engine, fleet.latency, fleet.delays
+            )
+        )
         if workload.name == "tenants":
             result["tenants"] = tenants_summary(
                 [(r.record, headers, r.routed_at) for r, headers in run.sent],
@@ -844,30 +881,35 @@ def build_workload(spec: WorkloadSpec, words: Words, seed: int) -> LabWorkload:
 
 def _bounds(
     workload: LabWorkload, words: Words, fleet: FleetSpec
-) -> tuple[Bounds, TtftFloor | None]:
-    """The hit-rate bounds of the workload's requests (bench/bounds.py) and their
-    TTFT floor (bench/lab/floor.py). A trace's prompts are built here as when sent
-    (under a minute for the whole Mooncake trace); its answers are never part
-    of a later prompt."""
+) -> tuple[Bounds, TtftFloor | None, dict[RequestKey, int]]:
+    """The hit-rate bounds of the workload's requests (bench/bounds.py), their TTFT
+    floor (bench/lab/floor.py) and each request's h* hit tokens by (session id, turn
+    index). A trace's prompts are built here as when sent (under a minute for the
+    whole Mooncake trace); its answers are never part of a later prompt."""
     source = workload.source
     builder = PromptIds(words)
     answers: dict[int, list[int]] = {}
+    keys: list[RequestKey] = []
 
     def sequences() -> Iterator[tuple[list[int], list[int]]]:
         if source is None:
-            for session in workload.sessions:
-                for lab_turn in session.turns:
+            for lab_session in workload.sessions:
+                for index, lab_turn in enumerate(lab_session.turns):
+                    keys.append((lab_session.id, index))
                     yield lab_turn.build()[1], []
             return
-        for turn in source.nominal_order():
-            found = answers.get(turn.max_tokens)
-            if found is None:
-                found = answers[turn.max_tokens] = answer_ids(words.tokenizer, turn.max_tokens)
-            yield builder.ids(turn.messages), found
+        for session in source.nominal_sessions():
+            for index, turn in enumerate(session.turns):
+                found = answers.get(turn.max_tokens)
+                if found is None:
+                    found = answers[turn.max_tokens] = answer_ids(words.tokenizer, turn.max_tokens)
+                keys.append((session.id, index))
+                yield builder.ids(turn.messages), found
 
     hits: list[tuple[int, int]] = []
     bounds = compute_bounds(sequences(), fleet.engine.block_size, fleet.pods, hits)
-    return bounds, ttft_floor(hits, fleet.engine, fleet.latency, fleet.delays)
+    star = {key: hit for key, (_, hit) in zip(keys, hits, strict=True)}
+    return bounds, ttft_floor(hits, fleet.engine, fleet.latency, fleet.delays), star
 
 
 def run_lab(options: LabOptions) -> dict[str, Any]:
@@ -908,7 +950,12 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
         arrival_rate = None
     if options.burst > 1 and arrival_rate is None:
         raise ValueError("bursts shape Poisson arrivals; a trace keeps its own timestamps")
-    bounds, floor = _bounds(first, words, options.fleet)
+    bounds, floor, first_star = _bounds(first, words, options.fleet)
+    # Each seed's own requests' h* (a seed draws other prompts).
+    star_hits = {
+        seed: first_star if seed == options.seeds[0] else _bounds(w, words, options.fleet)[2]
+        for seed, w in workloads.items()
+    }
     factories = {p.name: p.router_factory(registry, options.tokenizer) for p in policies}
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in policies}
     total = len(policies) * len(options.seeds)
@@ -926,6 +973,7 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
                     arrival_rate,
                     seed,
                     options.burst,
+                    star_hits[seed],
                 )
                 result["seed"] = seed
                 result.update(policy.describe())

@@ -62,14 +62,21 @@ def test_percentiles_over_requests() -> None:
 
 
 def lab(
-    workload: str, options: dict[str, int], rate: float | None, load: float | None, out: Path
+    workload: str,
+    options: dict[str, int],
+    rate: float | None,
+    load: float | None,
+    out: Path,
+    policies: tuple[str, ...] = ("round-robin", "predicted-ttft"),
+    seeds: tuple[int, ...] = (0,),
 ) -> dict[str, Any]:
+    """A lab run of `policies` on 4 pods."""
     return run_lab(
         LabOptions(
             workload=WorkloadSpec(workload, options=options),
-            policies=("round-robin", "predicted-ttft"),
+            policies=policies,
             fleet=FleetSpec(4),
-            seeds=(0,),
+            seeds=seeds,
             load=load,
             rate=rate,
             tokenizer=default_tokenizer_dir(),
