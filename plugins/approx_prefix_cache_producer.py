@@ -228,7 +228,9 @@ class ApproxPrefixCacheProducer:
         if params.block_size > 0 and block_size == LLMD_DEFAULT_BLOCK_SIZE_TOKENS:
             log.warning("%s: blockSize is deprecated: read as blockSizeTokens", context.name)
             block_size = params.block_size
-        if block_size < LLMD_MIN_BLOCK_SIZE_TOKENS:
+        # llm-d's own default (16) is raised too, as its README says: no warning for
+        # a value the user did not choose.
+        if block_size < LLMD_MIN_BLOCK_SIZE_TOKENS and block_size != LLMD_DEFAULT_BLOCK_SIZE_TOKENS:
             log.warning(
                 "%s: blockSizeTokens %d is raised to %d when requests are looked up (as llm-d"
                 " does)",

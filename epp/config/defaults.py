@@ -67,28 +67,24 @@ DEFAULT_METRICS_SOURCE: Final = "metrics-data-source"
 DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
-# config, commented. Approximate prefix affinity balanced against load, weights
-# chosen by measurement (docs/default-profile.md): it needs nothing from the
-# engines but their /metrics.
+# config, commented. Predicted-TTFT routing on the approximate prefix index, with
+# the decode balance and the spread (docs/routing.md): it needs nothing from the
+# engines but their /metrics. manifests/config/weighted.yaml was the default before.
 DEFAULT_CONFIG: Final = f"""\
 apiVersion: {API_VERSIONS[0]}
 kind: {KIND}
 plugins:
-- type: active-request-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: queue-scorer
+- type: approx-prefix-cache-producer
+- type: predicted-ttft-producer
+- type: predicted-ttft-scorer
+  parameters:
+    decodeBalanceFactor: 3
+    spreadFactor: 2
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
 - name: default
   plugins:
-  - pluginRef: active-request-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 1
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
+  - pluginRef: predicted-ttft-scorer
     weight: 1
   - pluginRef: {DEFAULT_PICKER}
 """

@@ -245,12 +245,9 @@ def test_default_config_loads(registry: PluginRegistry) -> None:
     config = load_config(DEFAULT_CONFIG, registry)
     assert list(config.scheduler.profiles) == ["default"]
     weights = {s.slot.name: s.weight for s in config.scheduler.profiles["default"].scorers}
-    assert weights == {
-        "prefix-cache-scorer": 2,
-        "active-request-scorer": 2,
-        "queue-scorer": 1,
-        "kv-cache-utilization-scorer": 1,
-    }
+    assert weights == {"predicted-ttft-scorer": 1}
+    # The scorer reads the model's producer, which reads the approximate prefix index.
+    assert list(config.plugins)[:2] == ["approx-prefix-cache-producer", "predicted-ttft-producer"]
 
 
 def test_the_shipped_default_yaml_is_the_built_in_default() -> None:

@@ -112,11 +112,8 @@ def test_the_chart_values_enable_it(chart: Rendered, registry: PluginRegistry) -
     profile = config.scheduler.profiles["default"]
     assert {s.slot.name: (s.slot.type_name, s.weight) for s in profile.scorers} == {
         TYPE: (TYPE, 1),
-        # The chart's default scorers stay.
-        "prefix-cache-scorer": ("prefix-cache-scorer", 2),
-        "active-request-scorer": ("active-request-scorer", 2),
-        "queue-scorer": ("queue-scorer", 1),
-        "kv-cache-utilization-scorer": ("kv-cache-utilization-scorer", 1),
+        # The chart's default scorer stays.
+        "predicted-ttft-scorer": ("predicted-ttft-scorer", 1),
     }
     plugin = next(p for p in yaml.safe_load(text)["plugins"] if p["type"] == TYPE)
     assert plugin["parameters"] == {

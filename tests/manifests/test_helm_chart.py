@@ -64,8 +64,8 @@ APPROX_PREFIX_VALUES: Final[dict[str, Any]] = {
                 },
                 "queue-scorer": {"weight": 2},
                 "kv-cache-utilization-scorer": {"weight": 2},
-                # In the chart's default profile, not in GIE's shape.
-                "active-request-scorer": {"enabled": False},
+                # The chart's default profile's scorer, not in GIE's shape.
+                "predicted-ttft-scorer": {"enabled": False},
             },
             "plugins": [
                 {
@@ -206,24 +206,12 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
     "pd-prefix-decider": deep_merge(
         REQUIRED, {"inferenceExtension": {"disaggregation": {"enabled": True}}}
     ),
-    # ... and the predicted-TTFT decider, its producer among the plugins.
+    # ... and the predicted-TTFT decider, on the default scheduling values (whose
+    # producers it reads).
     "pd-predicted-ttft": deep_merge(
         REQUIRED,
         {
             "inferenceExtension": {
-                "scheduling": {
-                    "scorers": {
-                        "predicted-ttft-scorer": {"weight": 1},
-                        "prefix-cache-scorer": {"enabled": False},
-                        "queue-scorer": {"enabled": False},
-                        "kv-cache-utilization-scorer": {"enabled": False},
-                        "active-request-scorer": {"enabled": False},
-                    },
-                    "plugins": [
-                        {"type": "approx-prefix-cache-producer"},
-                        {"type": "predicted-ttft-producer"},
-                    ],
-                },
                 "disaggregation": {
                     "enabled": True,
                     "decider": "predicted-ttft-pd-decider",
@@ -266,9 +254,8 @@ VALUE_SETS: Final[dict[str, dict[str, Any]]] = {
                         "kv-cache-utilization-scorer": {"weight": 0},
                         "load-aware-scorer": {"enabled": False},
                         "inflight": {"type": "active-request-scorer"},
-                        # Two of the chart's default scorers turned off.
-                        "prefix-cache-scorer": {"enabled": False},
-                        "active-request-scorer": {"enabled": False},
+                        # The chart's default scorer turned off.
+                        "predicted-ttft-scorer": {"enabled": False},
                     },
                     "picker": {"type": "weighted-random-picker"},
                 },

@@ -287,13 +287,17 @@ weight}.
 {{- end -}}
 
 {{/*
-Every plugin of default-plugins.yaml in the order of the file: filters, scorers,
-picker, the other plugins, the P/D plugins (role filters, the decider, then the
-profile handler that names it) and the metrics plugins a non-vLLM pool needs.
+Every plugin of default-plugins.yaml in the order of the file: the other plugins
+(data producers first, as the profiles' plugins read what they produce), filters,
+scorers, picker, the P/D plugins (role filters, the decider, then the profile
+handler that names it) and the metrics plugins a non-vLLM pool needs.
 */}}
 {{- define "inferencepool.pluginList" -}}
 {{- $s := .Values.inferenceExtension.scheduling -}}
 {{- $plugins := list -}}
+{{- range $s.plugins -}}
+{{- $plugins = append $plugins (include "inferencepool.pluginSpec" . | fromYaml) -}}
+{{- end -}}
 {{- range $s.filters -}}
 {{- $plugins = append $plugins (include "inferencepool.pluginSpec" . | fromYaml) -}}
 {{- end -}}
@@ -301,9 +305,6 @@ profile handler that names it) and the metrics plugins a non-vLLM pool needs.
 {{- $plugins = append $plugins (include "inferencepool.pluginSpec" . | fromYaml) -}}
 {{- end -}}
 {{- $plugins = append $plugins (include "inferencepool.pluginSpec" $s.picker | fromYaml) -}}
-{{- range $s.plugins -}}
-{{- $plugins = append $plugins (include "inferencepool.pluginSpec" . | fromYaml) -}}
-{{- end -}}
 {{- $pd := .Values.inferenceExtension.disaggregation | default dict -}}
 {{- if get $pd "enabled" -}}
 {{- $decider := dict "type" $pd.decider "parameters" (get ($pd.deciderParameters | default dict) $pd.decider) -}}
