@@ -82,6 +82,14 @@ prompt's holders otherwise keep its requests while pods idle, and a cold start's
 first turns gather where the system prompt is; the turns that follow stay where
 their history is, charged nothing (docs/routing.md, Spreading what starts).
 
+`tieMaxMs` (none: off; the lab profile predicted-ttft-tie250 sets 250): no tie
+is wider than that many milliseconds. A tie is a share of the best prediction, so
+a long prompt's is wide in time (25% of a 2 s prefill is half a second, a new
+prompt's 100% of it two seconds), and its rank may choose a pod that much slower
+for the hit or the balance it offers. Capped, long prompts go where they start
+sooner; short prompts' ties are unchanged. On the whole Mooncake trace at 0.8 it
+lowers the p90 and raises the p99 (docs/routing.md, A tie's width).
+
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
 best is logged at debug level. Without the producer's data every endpoint
@@ -157,6 +165,7 @@ class PredictedTtftScorer:
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
+        tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -170,6 +179,7 @@ class PredictedTtftScorer:
         self.work_weight = params.work_weight
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
+        self.tie_max_s = None if params.tie_max_ms is None else params.tie_max_ms / 1e3
         self._warned = False
 
     def score(
@@ -307,7 +317,12 @@ class PredictedTtftScorer:
         tolerance = self.tie_tolerance
         if session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
             tolerance = self.new_prefix_tolerance
-        near = best + tie_base * tolerance + _TIE_FLOOR_S
+        width = tie_base * tolerance
+        if self.tie_max_s is not None:
+            # A long prompt's tie, a share of a second or more, would let its rank
+            # pick a pod that much slower.
+            width = min(width, self.tie_max_s)
+        near = best + width + _TIE_FLOOR_S
 
         def uncached_rank(e: Endpoint) -> int:
             if session_tie:

@@ -252,6 +252,25 @@ def test_within_a_tie_a_queued_prefill_counts_before_tokens_in_flight() -> None:
     assert fleet.scorer.score(request(PROMPT), done, [a, b])[b] == 1.0
 
 
+def test_the_tie_is_no_wider_than_tie_max_ms() -> None:
+    a, b = make_endpoints(2)
+    scores = {}
+    for cap in (None, 10_000.0, 1.0):
+        fleet = Fleet(scorer=PredictedTtftScorer.Parameters(tie_max_ms=cap))
+        fleet.route(b)  # a whole prefill queued on b
+        _, fresh = fleet.cycle({})
+        slower = fleet.seconds(fresh, b) - fleet.seconds(fresh, a)
+        assert 0.001 < slower <= fleet.seconds(fresh, a)  # inside a new prompt's tie
+        scores[cap] = fleet.scorer.score(request(PROMPT), fresh, [a, b])
+    # Uncapped, or capped above the tie's width: b ties (ranked below a).
+    assert scores[None] == scores[10_000.0]
+    assert scores[None][a] == 1.0
+    assert 0.9 < scores[None][b] < 1.0
+    # Capped at 1 ms: b is out of the tie, scored by its prediction.
+    assert scores[1.0][a] == 1.0
+    assert scores[1.0][b] < 0.9
+
+
 def test_near_ties_go_to_the_holder_of_the_prefix_unless_it_is_crowded() -> None:
     fleet = Fleet()
     a, b, c = make_endpoints(3)
@@ -463,6 +482,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeight": -1.0}))
     with pytest.raises(InvalidConfig, match="workWeight"):
         load(one_plugin_config("predicted-ttft-scorer", {"workWeight": -1.0}))
+    with pytest.raises(InvalidConfig, match="tieMaxMs"):
+        load(one_plugin_config("predicted-ttft-scorer", {"tieMaxMs": -1.0}))
 
 
 def _slo_request(value: str | None, header: str = "x-slo-ttft-ms") -> InferenceRequest:
