@@ -68,7 +68,7 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index, with
-# the decode balance and the spread (docs/routing.md): it needs nothing from the
+# the decode balance, the spread and the tie cap (docs/routing.md): it needs nothing from the
 # engines but their /metrics. manifests/config/weighted.yaml was the default before.
 DEFAULT_CONFIG: Final = f"""\
 apiVersion: {API_VERSIONS[0]}
@@ -80,6 +80,7 @@ plugins:
   parameters:
     decodeBalanceFactor: 3
     spreadFactor: 2
+    tieMaxMs: 250
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
 - name: default
