@@ -16,11 +16,17 @@ from bench.runner import stop_on_sigterm
 
 @pytest.fixture
 def sigterm_handler_restored() -> Iterator[None]:
+    """SIGTERM's handler restored after the test, and SIGINT's as a fresh interpreter
+    has it during the test: an event loop an earlier test left unclosed in this
+    process may still hold SIGINT with a handler that does nothing."""
     before = signal.getsignal(signal.SIGTERM)
+    before_int = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, before_int)
 
 
 async def a_run_hit_by_sigterm_in_a_swallowing_callback() -> list[str]:
