@@ -12,7 +12,8 @@ docs/routing.md):
 - index memory per (block, pod) entry at 1,000,000 entries, filled through the
   ingestion (the index and the engine-hash maps; tracemalloc and RSS);
 - (c) the picks of shipped configs side by side (`--configs`, default
-  `default,predicted-ttft`), every hook of a routed request included.
+  `weighted,default`: the weighted profile that was the default, and the
+  default), every hook of a routed request included.
 
 The pick is the director's `pick_endpoint` with the `precise-prefix-cache-scorer`
 (speculative indexing on) and `max-score-picker`, over 16 endpoints whose index is
@@ -574,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-entries", type=int, default=1_000_000)
     parser.add_argument(
         "--configs",
-        default="default,predicted-ttft",
+        default="weighted,default",
         help="shipped configs whose picks (c) compares, comma-separated ('' to skip)",
     )
     parser.add_argument(
