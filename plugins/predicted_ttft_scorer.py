@@ -61,10 +61,10 @@ extra, or a hot prompt's holders would win every comparison until their queues
 outgrew several whole prefills elsewhere. On the whole Mooncake trace at 0.95 of
 capacity it lowers the p90 by more than half (docs/routing.md, The work's weight).
 
-`decodeBalanceFactor` (none: off; the lab profiles predicted-ttft-decode2 and -3
-set 2 and 3) counts a pod as holding nothing of the prompt when the prompts it is
-decoding (the producer's decoding tokens: every decode step reads their context)
-add up to more than that many times the fleet's mean: its hit is charged the
+`decodeBalanceFactor` (none: off; the default profile sets 3) counts a pod as
+holding nothing of the prompt when the prompts it is decoding (the producer's
+decoding tokens: every decode step reads their context) add up to more than that
+many times the fleet's mean: its hit is charged the
 work of a miss, in proportion to the share of candidates with no prefill queued
 (as the queue weight fades: when every pod queues, the fleet has no room for the
 prefill a miss adds), and the tie rule counts it as crowded. Chasing hits, the
@@ -73,7 +73,7 @@ them, whose decode steps then slow down for every stream on it (the whole
 Mooncake trace on 64 pods at 0.8: one pod decoding several times a typical
 pod's context set the run's length; see docs/routing.md, The decode load).
 
-`spreadFactor` (none: off; the lab profile predicted-ttft-decode3-spread2 sets 2):
+`spreadFactor` (none: off; the default profile sets 2):
 for a request that continues no earlier one (a new question over a shared prompt,
 a conversation's first turn), a pod with more than that many times the fleet's
 mean tokens in flight is charged the work of a miss for its hit, in proportion to
@@ -82,7 +82,7 @@ prompt's holders otherwise keep its requests while pods idle, and a cold start's
 first turns gather where the system prompt is; the turns that follow stay where
 their history is, charged nothing (docs/routing.md, Spreading what starts).
 
-`tieMaxMs` (none: off; the lab profile predicted-ttft-tie250 sets 250): no tie
+`tieMaxMs` (none: off; the default profile sets 250): no tie
 is wider than that many milliseconds. A tie is a share of the best prediction, so
 a long prompt's is wide in time (25% of a 2 s prefill is half a second, a new
 prompt's 100% of it two seconds), and its rank may choose a pod that much slower

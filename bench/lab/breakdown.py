@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.lab.epp import Delays
-from bench.lab.floor import prefill_alone_s, request_floor_s
+from bench.lab.floor import outside_engine_s, prefill_alone_s, request_floor_s
 from bench.stats import percentile
 from sim.engine import EngineConfig
 from sim.latency import LatencyModel
@@ -72,8 +72,8 @@ def ttft_parts(
     `request.ttft_s`), in seconds."""
     prompt = request.prompt_tokens
     floor = request_floor_s(prompt, star_hit, engine, latency, delays)
-    held = request_floor_s(prompt, request.cached_tokens, engine, latency, delays)
     alone = prefill_alone_s(prompt, request.cached_tokens, engine, latency)
+    held = outside_engine_s(prompt - request.cached_tokens, delays) + alone  # its floor
     batch = request.prefill_s - alone
     other = request.ttft_s - held - request.queue_s - batch
     return {

@@ -48,10 +48,15 @@ def request_floor_s(
     delays: Delays,
 ) -> float:
     """One request's floor TTFT (the module docstring), in seconds."""
-    uncached = prompt_tokens - hit_tokens
+    alone = prefill_alone_s(prompt_tokens, hit_tokens, engine, latency)
+    return outside_engine_s(prompt_tokens - hit_tokens, delays) + alone
+
+
+def outside_engine_s(uncached_tokens: int, delays: Delays) -> float:
+    """The floor's time outside the engine, in seconds: the cheapest router's path,
+    the pod's overhead for `uncached_tokens`, and the first token's way back."""
     seconds = min(delays.route_s, delays.peer_route_s)
-    seconds += delays.pod_overhead_s + delays.pod_overhead_per_token_s * uncached
-    seconds += prefill_alone_s(prompt_tokens, hit_tokens, engine, latency)
+    seconds += delays.pod_overhead_s + delays.pod_overhead_per_token_s * uncached_tokens
     return seconds + delays.response_s
 
 

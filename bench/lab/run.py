@@ -83,6 +83,12 @@ from sim.kv_events import KVEvent
 from sim.latency import LatencyModel
 
 PATH = "/v1/chat/completions"
+# A predicted-TTFT policy's prediction error (`prediction_error`).
+PREDICTION_KEYS = (
+    "ttft_prediction_error_p50",
+    "ttft_prediction_error_p90",
+    "ttft_prediction_bias_p50",
+)
 # Keys averaged over seeds, each with its `_ci95` beside it.
 MEAN_KEYS = (
     "hit_rate",
@@ -102,15 +108,8 @@ MEAN_KEYS = (
     "preemptions",
     "duration_s",
     "wall_s",
-    "ttft_prediction_error_p50",
-    "ttft_prediction_error_p90",
-    "ttft_prediction_bias_p50",
+    *PREDICTION_KEYS,
     *PART_KEYS,
-)
-PREDICTION_KEYS = (
-    "ttft_prediction_error_p50",
-    "ttft_prediction_error_p90",
-    "ttft_prediction_bias_p50",
 )
 
 
