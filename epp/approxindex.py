@@ -110,6 +110,16 @@ class PromptBlocks:
         self._hashes: list[int] = []
         self._seed = seed
 
+    @property
+    def is_text(self) -> bool:
+        """Cut from text (blocks of characters), not from token ids."""
+        return isinstance(self._data, str)
+
+    @property
+    def step(self) -> int:
+        """Characters (text) or ids (token ids) per block."""
+        return self._step
+
     def hash(self, i: int) -> int:
         """Block i's hash (0 <= i < total)."""
         hashes = self._hashes

@@ -20,8 +20,15 @@ Parameters (llm-d's names and defaults):
   a prompt is hashed and matched, as `tokens // blockSize` blocks;
   `maxPrefixBlocksToMatch` (2048, deprecated in llm-d; both 0: no cap).
 - `lruCapacityPerServer` (31250): blocks remembered per endpoint.
-- `autoTune` (true): the pool's own KV block size (`vllm:cache_config_info`) and an
-  endpoint's `num_gpu_blocks` as its capacity, where the metrics report them.
+- `autoTune` (true): the pool's own KV block size (`vllm:cache_config_info`), and
+  an endpoint's KV cache (`num_gpu_blocks` of that size) as its capacity, where the
+  metrics report them. The capacity is counted in this index's blocks: the
+  tokens the cache holds over the tokens of one block (at least 64 here, where the
+  engine's are 16), and for text, the tokens a block's characters really are, as
+  the engines' own prompt token counts (`usage.prompt_tokens` of completed
+  responses) show against the prompts' characters. Counted in the engine's
+  blocks, as llm-d does, the index would believe a pod holds several times what
+  its cache can, and send prompts for hits its engine has long evicted.
 - `blockSize` (deprecated in llm-d): taken as `blockSizeTokens` when that is left at
   its default.
 
@@ -45,6 +52,7 @@ from epp.approxindex import (
     ApproxPrefixIndex,
     PromptBlocks,
     prompt_blocks,
+    prompt_units,
 )
 from epp.datastore import CACHE_INFO, Endpoint
 from epp.promutil import shared
@@ -54,6 +62,7 @@ from epp.scheduling import (
     CycleState,
     PluginContext,
     PrefixMatchInfo,
+    ResponseInfo,
     SchedulingResult,
     StateKey,
     explain_note,
@@ -67,6 +76,10 @@ _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 # spots of short prompts).
 LLMD_MIN_BLOCK_SIZE_TOKENS: Final = 64
 LLMD_DEFAULT_BLOCK_SIZE_TOKENS: Final = 16
+# The weight of a prompt's characters-to-tokens observation decays by this per
+# later one (a memory of about 200 responses): a pool's prompts change language or
+# template slowly, if at all.
+TEXT_MEMORY: Final = 0.995
 
 
 class ApproxPrefixMatcher:
@@ -95,6 +108,11 @@ class ApproxPrefixMatcher:
         self.capacity = capacity
         self.chars_per_token = chars_per_token
         self.index = ApproxPrefixIndex()
+        # Prompt characters and the tokens the engines counted for them, each
+        # observation's weight decaying by TEXT_MEMORY per later one: what a block of
+        # text really holds in tokens (`tokens_per_char`).
+        self._text_chars = 0.0
+        self._text_tokens = 0.0
         self.key = prefix_match_key(context.name)
         # The prompt's blocks, hashed as far as the match went: the pick records
         # them without hashing again.
@@ -136,7 +154,38 @@ class ApproxPrefixMatcher:
             self.index.remove(endpoint)
 
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
-        return {"approxPrefixIndex": {"blocks": self.index.blocks_of(endpoint)}}
+        return {
+            "approxPrefixIndex": {
+                "blocks": self.index.blocks_of(endpoint),
+                "tokensPerChar": round(self.tokens_per_char(), 4),
+            }
+        }
+
+    def tokens_per_char(self) -> float:
+        """Prompt tokens per character of prompt text: as observed (`observe_usage`),
+        or `1 / charsPerToken` before any observation."""
+        if self._text_chars > 0.0 and self._text_tokens > 0.0:
+            return self._text_tokens / self._text_chars
+        return 1.0 / self.chars_per_token
+
+    def observe_usage(self, request: InferenceRequest, prompt_tokens: int) -> None:
+        """A completed response's prompt tokens, as its engine counted them (template
+        tokens included), for the prompt text the index cut into blocks."""
+        data = prompt_units(request)
+        if not isinstance(data, str) or not data or prompt_tokens <= 0:
+            return  # token ids are exact; nothing to learn
+        self._text_chars = self._text_chars * TEXT_MEMORY + len(data)
+        self._text_tokens = self._text_tokens * TEXT_MEMORY + prompt_tokens
+
+    def capacity_of(self, endpoint: Endpoint, blocks: PromptBlocks, now: float) -> int:
+        """How many of this index's blocks (as `blocks` are cut) `endpoint` can hold:
+        `lruCapacityPerServer`, or with autoTune its KV cache's tokens over a block's."""
+        metrics = endpoint.metrics
+        if not (self.auto_tune and metrics.known(CACHE_INFO, now) and metrics.num_gpu_blocks):
+            return self.capacity
+        cache_tokens = metrics.num_gpu_blocks * (metrics.block_size or self.block_size_tokens)
+        block_tokens = blocks.step * self.tokens_per_char() if blocks.is_text else blocks.step
+        return max(1, int(cache_tokens / block_tokens))
 
     def block_size(self, endpoints: Sequence[Endpoint], now: float) -> int:
         size = self.block_size_tokens
@@ -203,10 +252,7 @@ class ApproxPrefixMatcher:
         now = self.clock()
         before = self.index.evictions
         for holder in holders:
-            capacity = self.capacity
-            if self.auto_tune and holder.metrics.known(CACHE_INFO, now):
-                capacity = holder.metrics.num_gpu_blocks
-            self.index.add(holder, blocks.all(), capacity)
+            self.index.add(holder, blocks.all(), self.capacity_of(holder, blocks, now))
         self.index.mark_end(blocks)
         if self.index.evictions > before:
             self._evictions.inc(self.index.evictions - before)
@@ -260,6 +306,16 @@ class ApproxPrefixCacheProducer:
         self, request: InferenceRequest, cycle: CycleState, result: SchedulingResult
     ) -> None:
         self.matcher.record(request, cycle, result)
+
+    def post_response(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        response: ResponseInfo,
+    ) -> None:
+        if response.completed and response.usage is not None:
+            self.matcher.observe_usage(request, response.usage.prompt_tokens)
 
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
         return self.matcher.describe_endpoint(endpoint)

@@ -17,7 +17,10 @@ Two ways to use it:
 - **On its own** (no producer name), as GIE's approximate scorer and this EPP's
   default profile use it: it keeps an approximate index of its own, learnt from
   this EPP's own picks (the machinery of `approx-prefix-cache-producer`, see
-  plugins/approx_prefix_cache_producer.py), with GIE's parameters and defaults:
+  plugins/approx_prefix_cache_producer.py, with its capacity counted as there:
+  with autoTune, an endpoint's KV cache in the tokens a block of text really
+  holds, learnt from the responses' prompt token counts), with GIE's parameters
+  and defaults:
   `blockSizeTokens` (16) and `charsPerToken` (4.0); `maxPrefixBlocksToMatch` (256;
   0: no cap) and `maxPrefixTokensToMatch` (0: unused; when set it wins);
   `lruCapacityPerServer` (31250); `autoTune` (true). `blockSize` (GIE's old block
@@ -30,7 +33,7 @@ they are refused.
 Metrics of its own index: `epp_approx_prefix_index_blocks{plugin}`,
 `epp_approx_prefix_index_evictions_total{plugin}`,
 `epp_approx_prefix_match_ratio{plugin}`; /debug/endpoints shows each endpoint's
-`approxPrefixIndex.blocks`.
+`approxPrefixIndex.blocks` and the tokens per character of text it counts.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from epp.scheduling import (
     CycleState,
     PluginContext,
     PrefixMatchInfo,
+    ResponseInfo,
     SchedulingResult,
     prefix_match_key,
 )
@@ -149,6 +153,18 @@ class PrefixCacheScorer:
     ) -> None:
         if self.own is not None:
             self.own.record(request, cycle, result)
+
+    def post_response(
+        self,
+        request: InferenceRequest,
+        cycle: CycleState,
+        result: SchedulingResult,
+        response: ResponseInfo,
+    ) -> None:
+        # Its own index's capacity counts a text block in the tokens the engines
+        # report for the prompts' characters (ApproxPrefixMatcher.capacity_of).
+        if self.own is not None and response.completed and response.usage is not None:
+            self.own.observe_usage(request, response.usage.prompt_tokens)
 
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
         return self.own.describe_endpoint(endpoint) if self.own is not None else {}

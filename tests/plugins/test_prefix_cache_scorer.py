@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from epp.datastore import Datastore, EndpointMetrics, EndpointSpec
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling import CycleState, PluginContext, SchedulingResult, prefix_match_key
-from epp.scheduling.types import ProfileResult, ScoredEndpoint
+from epp.scheduling.types import ProfileResult, ResponseInfo, ScoredEndpoint, Usage
 from tests.plugins.helpers import make_endpoints
 
 
@@ -242,3 +242,96 @@ def test_the_llm_d_producer_raises_short_blocks_to_64_tokens() -> None:
     source = producer(autoTune=False, blockSizeTokens=16)
     assert source.matcher.block_size([], 0.0) == 64
     assert producer(autoTune=False, blockSize=128).matcher.block_size([], 0.0) == 128
+
+
+# -- the index's capacity, with autoTune -------------------------------------------------
+
+
+def _learn(source: ApproxPrefixCacheProducer, endpoint, req: InferenceRequest) -> None:  # type: ignore[no-untyped-def]
+    cycle = CycleState()
+    source.matcher.match(req, cycle, [endpoint])
+    source.pre_request(req, cycle, routed(endpoint))
+
+
+def _completed(
+    source: ApproxPrefixCacheProducer,
+    req: InferenceRequest,
+    prompt_tokens: int,
+    *,
+    completed: bool = True,
+) -> None:
+    source.post_response(
+        req,
+        CycleState(),
+        routed(make_endpoints(1)[0]),
+        ResponseInfo(completed=completed, status=200, usage=Usage(prompt_tokens=prompt_tokens)),
+    )
+
+
+def test_auto_tuned_capacity_is_the_kv_cache_in_the_index_s_own_blocks() -> None:
+    # The engine's blocks are 16 tokens, the index's 64 (256 characters): a cache of
+    # 64 engine blocks (1,024 tokens) holds 16 of them, not 64.
+    source = producer()
+    (a,) = make_endpoints(1)
+    a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
+    _learn(source, a, request("a" * 256 * 40))
+    assert source.matcher.index.blocks_of(a) == 16
+    assert source.describe_endpoint(a) == {
+        "approxPrefixIndex": {"blocks": 16, "tokensPerChar": 0.25}
+    }
+
+
+def test_the_capacity_follows_the_tokens_the_engines_count_for_the_text() -> None:
+    # Text of 8 characters per token: a 256-character block is 32 tokens, so the same
+    # cache holds 32 blocks once the responses' prompt token counts say so.
+    source = producer()
+    (a,) = make_endpoints(1)
+    a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
+    first = request("b" * 256 * 40)
+    _learn(source, a, first)
+    _completed(source, first, 256 * 40 // 8)
+    _learn(source, a, request("c" * 256 * 40))
+    assert source.matcher.index.blocks_of(a) == 32
+    assert source.matcher.tokens_per_char() == pytest.approx(1 / 8)
+
+
+def test_aborted_or_usage_less_responses_and_token_prompts_teach_nothing() -> None:
+    source = producer()
+    text = request("d" * 1000)
+    _completed(source, text, 10, completed=False)
+    source.post_response(
+        text, CycleState(), routed(make_endpoints(1)[0]), ResponseInfo(completed=True)
+    )
+    _completed(source, text, 0)
+    ids = parse_request(
+        request_id="r",
+        method="POST",
+        path="/v1/completions",
+        headers={},
+        body=msgspec.json.encode({"model": "m", "prompt": list(range(1000))}),
+    )
+    _completed(source, ids, 10)
+    assert source.matcher.tokens_per_char() == 0.25  # still 1 / charsPerToken
+
+
+def test_token_id_prompts_count_a_block_as_its_ids() -> None:
+    source = producer()
+    (a,) = make_endpoints(1)
+    a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
+    ids = parse_request(
+        request_id="r",
+        method="POST",
+        path="/v1/completions",
+        headers={},
+        body=msgspec.json.encode({"model": "m", "prompt": list(range(64 * 40))}),
+    )
+    _completed(source, request("e" * 800), 800)  # a text ratio does not apply to ids
+    _learn(source, a, ids)
+    assert source.matcher.index.blocks_of(a) == 16  # 1,024 tokens / 64 ids
+
+
+def test_without_cache_info_the_configured_capacity_holds() -> None:
+    source = producer(lruCapacityPerServer=5)
+    (a,) = make_endpoints(1)
+    _learn(source, a, request("f" * 256 * 40))
+    assert source.matcher.index.blocks_of(a) == 5
