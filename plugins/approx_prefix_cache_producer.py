@@ -21,14 +21,18 @@ Parameters (llm-d's names and defaults):
   `maxPrefixBlocksToMatch` (2048, deprecated in llm-d; both 0: no cap).
 - `lruCapacityPerServer` (31250): blocks remembered per endpoint.
 - `autoTune` (true): the pool's own KV block size (`vllm:cache_config_info`), and
-  an endpoint's KV cache (`num_gpu_blocks` of that size) as its capacity, where the
-  metrics report them. The capacity is counted in this index's blocks: the
-  tokens the cache holds over the tokens of one block (at least 64 here, where the
-  engine's are 16), and for text, the tokens a block's characters really are, as
-  the engines' own prompt token counts (`usage.prompt_tokens` of completed
-  responses) show against the prompts' characters. Counted in the engine's
-  blocks, as llm-d does, the index would believe a pod holds several times what
-  its cache can, and send prompts for hits its engine has long evicted.
+  as an endpoint's capacity its `num_gpu_blocks` (llm-d's count), where the
+  metrics report them, but never less than the endpoint's KV cache counted in
+  this index's blocks: the tokens the cache holds over the tokens of one block,
+  for text the tokens a block's characters really are, as the engines' own prompt
+  token counts (`usage.prompt_tokens` of completed responses) show against the
+  prompts' characters. `num_gpu_blocks` of a block of 16 text tokens at
+  `charsPerToken` 4 is less than the cache where the text has more characters
+  per token (the lab's: about 7): that index forgot prompts its pods still held,
+  a prefix group lost its pod, and with small caches the pods thrashed
+  (docs/routing.md, The index's capacity). Counting the cache exactly, without
+  llm-d's count as the floor, was measured and not kept: it forgets a group's
+  pod as soon as the pod may have evicted it, which cost hits on small caches.
 - `blockSize` (deprecated in llm-d): taken as `blockSizeTokens` when that is left at
   its default.
 
@@ -178,14 +182,15 @@ class ApproxPrefixMatcher:
         self._text_tokens = self._text_tokens * TEXT_MEMORY + prompt_tokens
 
     def capacity_of(self, endpoint: Endpoint, blocks: PromptBlocks, now: float) -> int:
-        """How many of this index's blocks (as `blocks` are cut) `endpoint` can hold:
-        `lruCapacityPerServer`, or with autoTune its KV cache's tokens over a block's."""
+        """How many of this index's blocks (as `blocks` are cut) to remember for
+        `endpoint`: `lruCapacityPerServer`, or with autoTune its `num_gpu_blocks`,
+        but at least its KV cache's tokens over a block's."""
         metrics = endpoint.metrics
         if not (self.auto_tune and metrics.known(CACHE_INFO, now) and metrics.num_gpu_blocks):
             return self.capacity
         cache_tokens = metrics.num_gpu_blocks * (metrics.block_size or self.block_size_tokens)
         block_tokens = blocks.step * self.tokens_per_char() if blocks.is_text else blocks.step
-        return max(1, int(cache_tokens / block_tokens))
+        return max(metrics.num_gpu_blocks, int(cache_tokens / block_tokens))
 
     def block_size(self, endpoints: Sequence[Endpoint], now: float) -> int:
         size = self.block_size_tokens

@@ -18,9 +18,9 @@ Two ways to use it:
   default profile use it: it keeps an approximate index of its own, learnt from
   this EPP's own picks (the machinery of `approx-prefix-cache-producer`, see
   plugins/approx_prefix_cache_producer.py, with its capacity counted as there:
-  with autoTune, an endpoint's KV cache in the tokens a block of text really
-  holds, learnt from the responses' prompt token counts), with GIE's parameters
-  and defaults:
+  with autoTune, an endpoint's `num_gpu_blocks`, but never less than its KV cache
+  in the tokens a block of text really holds, learnt from the responses' prompt
+  token counts), with GIE's parameters and defaults:
   `blockSizeTokens` (16) and `charsPerToken` (4.0); `maxPrefixBlocksToMatch` (256;
   0: no cap) and `maxPrefixTokensToMatch` (0: unused; when set it wins);
   `lruCapacityPerServer` (31250); `autoTune` (true). `blockSize` (GIE's old block
@@ -161,8 +161,8 @@ class PrefixCacheScorer:
         result: SchedulingResult,
         response: ResponseInfo,
     ) -> None:
-        # Its own index's capacity counts a text block in the tokens the engines
-        # report for the prompts' characters (ApproxPrefixMatcher.capacity_of).
+        # Its own index's capacity is at least the cache, a text block counted in
+        # the tokens the engines report for its characters (ApproxPrefixMatcher.capacity_of).
         if self.own is not None and response.completed and response.usage is not None:
             self.own.observe_usage(request, response.usage.prompt_tokens)
 

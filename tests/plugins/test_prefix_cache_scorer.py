@@ -268,31 +268,39 @@ def _completed(
     )
 
 
-def test_auto_tuned_capacity_is_the_kv_cache_in_the_index_s_own_blocks() -> None:
-    # The engine's blocks are 16 tokens, the index's 64 (256 characters): a cache of
-    # 64 engine blocks (1,024 tokens) holds 16 of them, not 64.
+def test_auto_tuned_capacity_is_num_gpu_blocks_where_that_covers_the_cache() -> None:
+    # The engine's blocks are 16 tokens, the producer's 64 (256 characters): 64 of
+    # them hold four times the cache (1,024 tokens), which llm-d's count allows.
     source = producer()
     (a,) = make_endpoints(1)
     a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
-    _learn(source, a, request("a" * 256 * 40))
-    assert source.matcher.index.blocks_of(a) == 16
+    _learn(source, a, request("a" * 256 * 80))
+    assert source.matcher.index.blocks_of(a) == 64
     assert source.describe_endpoint(a) == {
-        "approxPrefixIndex": {"blocks": 16, "tokensPerChar": 0.25}
+        "approxPrefixIndex": {"blocks": 64, "tokensPerChar": 0.25}
     }
 
 
-def test_the_capacity_follows_the_tokens_the_engines_count_for_the_text() -> None:
-    # Text of 8 characters per token: a 256-character block is 32 tokens, so the same
-    # cache holds 32 blocks once the responses' prompt token counts say so.
-    source = producer()
+def test_the_capacity_is_never_less_than_the_cache_in_the_texts_own_tokens() -> None:
+    # GIE's index: blocks of 16 tokens, 64 characters. Text of 8 characters per
+    # token makes a block 8 tokens, so a cache of 64 engine blocks (1,024 tokens)
+    # holds 128 of them, once the responses' prompt token counts say so.
+    scorer, _, _ = build(blockSizeTokens=16)
+    assert scorer.own is not None
     (a,) = make_endpoints(1)
     a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
-    first = request("b" * 256 * 40)
-    _learn(source, a, first)
-    _completed(source, first, 256 * 40 // 8)
-    _learn(source, a, request("c" * 256 * 40))
-    assert source.matcher.index.blocks_of(a) == 32
-    assert source.matcher.tokens_per_char() == pytest.approx(1 / 8)
+    pick(scorer, request("b" * 64 * 200), [a], a)
+    assert scorer.own.index.blocks_of(a) == 64  # before any count: 16 tokens a block
+    first = request("c" * 64 * 200)
+    scorer.post_response(
+        first,
+        CycleState(),
+        routed(a),
+        ResponseInfo(completed=True, status=200, usage=Usage(prompt_tokens=64 * 200 // 8)),
+    )
+    pick(scorer, request("d" * 64 * 200), [a], a)
+    assert scorer.own.index.blocks_of(a) == 128
+    assert scorer.own.tokens_per_char() == pytest.approx(1 / 8)
 
 
 def test_aborted_or_usage_less_responses_and_token_prompts_teach_nothing() -> None:
@@ -315,19 +323,28 @@ def test_aborted_or_usage_less_responses_and_token_prompts_teach_nothing() -> No
 
 
 def test_token_id_prompts_count_a_block_as_its_ids() -> None:
-    source = producer()
+    # GIE's index on a pool of 16-token blocks: a block of ids is an engine block,
+    # whatever the text's characters per token, so the cache holds num_gpu_blocks.
+    scorer, _, _ = build(maxPrefixBlocksToMatch=0)
+    assert scorer.own is not None
     (a,) = make_endpoints(1)
     a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
+    text = request("e" * 800)
+    scorer.post_response(
+        text,
+        CycleState(),
+        routed(a),
+        ResponseInfo(completed=True, status=200, usage=Usage(prompt_tokens=100)),
+    )
     ids = parse_request(
         request_id="r",
         method="POST",
         path="/v1/completions",
         headers={},
-        body=msgspec.json.encode({"model": "m", "prompt": list(range(64 * 40))}),
+        body=msgspec.json.encode({"model": "m", "prompt": list(range(16 * 200))}),
     )
-    _completed(source, request("e" * 800), 800)  # a text ratio does not apply to ids
-    _learn(source, a, ids)
-    assert source.matcher.index.blocks_of(a) == 16  # 1,024 tokens / 64 ids
+    pick(scorer, ids, [a], a)
+    assert scorer.own.index.blocks_of(a) == 64  # a text block would be 8 tokens: 128
 
 
 def test_without_cache_info_the_configured_capacity_holds() -> None:
