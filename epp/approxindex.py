@@ -187,6 +187,9 @@ class ApproxPrefixIndex:
 
     def __init__(self) -> None:
         self._lrus: dict[Endpoint, OrderedDict[int, None]] = {}
+        # Per endpoint, the blocks recorded within its last `window` distinct ones
+        # (`add`'s window): what its cache can still hold, a subset of its LRU.
+        self._recent: dict[Endpoint, OrderedDict[int, None]] = {}
         # A hash held by one endpoint (the usual case) maps to it directly; only
         # shared hashes pay for a set.
         self._owners: dict[int, Endpoint | set[Endpoint]] = {}
@@ -230,9 +233,24 @@ class ApproxPrefixIndex:
                 matched[endpoint] = i + 1
         return matched
 
-    def add(self, endpoint: Endpoint, hashes: Sequence[int], capacity: int) -> None:
+    def add(
+        self, endpoint: Endpoint, hashes: Sequence[int], capacity: int, window: int | None = None
+    ) -> None:
         """Record that `endpoint` now holds the blocks `hashes` (a prompt's, in
-        order), keeping at most `capacity` blocks for it."""
+        order), keeping at most `capacity` blocks for it; with `window`, also which
+        of them are among its last `window` distinct blocks (`recent_run`)."""
+        if window is not None:
+            recent = self._recent.get(endpoint)
+            if recent is None:
+                recent = self._recent[endpoint] = OrderedDict()
+            for h in reversed(hashes):
+                if h in recent:
+                    recent.move_to_end(h)
+                else:
+                    recent[h] = None
+            limit = min(window, capacity)
+            while len(recent) > limit:
+                recent.popitem(last=False)
         lru = self._lrus.get(endpoint)
         if lru is None:
             lru = self._lrus[endpoint] = OrderedDict()
@@ -275,8 +293,21 @@ class ApproxPrefixIndex:
         deepest = max(matched.values(), default=0)
         return 0 < deepest <= blocks.full and blocks.hash(deepest - 1) in self._ends
 
+    def recent_run(self, blocks: PromptBlocks, endpoint: Endpoint, run: int) -> int:
+        """How many of the prompt's first `run` blocks (those `match` found on
+        `endpoint`) are among its last recorded ones (`add`'s window), from the
+        first."""
+        recent = self._recent.get(endpoint)
+        if recent is None:
+            return 0
+        for i in range(run):
+            if blocks.hash(i) not in recent:
+                return i
+        return run
+
     def remove(self, endpoint: Endpoint) -> None:
         """Forget everything about an endpoint (it left the pool)."""
+        self._recent.pop(endpoint, None)
         lru = self._lrus.pop(endpoint, None)
         if lru is None:
             return

@@ -35,6 +35,13 @@ Parameters (llm-d's names and defaults):
   pod as soon as the pod may have evicted it, which cost hits on small caches.
 - `blockSize` (deprecated in llm-d): taken as `blockSizeTokens` when that is left at
   its default.
+- `cacheWindow` (false; this EPP's, experimental): the match it leaves counts on
+  each endpoint only the blocks recorded there within its KV cache's worth of the
+  latest (with autoTune; else `lruCapacityPerServer`), what the pod can still
+  hold, so a prediction is not made for a hit the engine has evicted; the whole
+  remembered match, the pod a prompt group was sent to, is left beside it
+  (`PrefixMatchInfo.remembered`), which `predicted-ttft-scorer`'s tie rank reads.
+  Not yet measured on the lab's cells (docs/routing.md, Not done yet).
 
 `prefix-cache-scorer` without a producer name keeps an index of its own, with
 GIE's parameters (plugins/prefix_cache_scorer.py); both use `ApproxPrefixMatcher`.
@@ -101,6 +108,7 @@ class ApproxPrefixMatcher:
         capacity: int,
         chars_per_token: float,
         min_block_size_tokens: int = 1,
+        cache_window: bool = False,
     ) -> None:
         self.name = context.name
         self.clock = context.clock
@@ -111,6 +119,7 @@ class ApproxPrefixMatcher:
         self.max_tokens = max_tokens
         self.capacity = capacity
         self.chars_per_token = chars_per_token
+        self.cache_window = cache_window
         self.index = ApproxPrefixIndex()
         # Prompt characters and the tokens the engines counted for them, each
         # observation's weight decaying by TEXT_MEMORY per later one: what a block of
@@ -185,12 +194,20 @@ class ApproxPrefixMatcher:
         """How many of this index's blocks (as `blocks` are cut) to remember for
         `endpoint`: `lruCapacityPerServer`, or with autoTune its `num_gpu_blocks`,
         but at least its KV cache's tokens over a block's."""
+        cache = self.cache_blocks_of(endpoint, blocks, now)
+        if cache is None:
+            return self.capacity
+        return max(endpoint.metrics.num_gpu_blocks, cache)
+
+    def cache_blocks_of(self, endpoint: Endpoint, blocks: PromptBlocks, now: float) -> int | None:
+        """How many of this index's blocks `endpoint`'s KV cache holds (its tokens
+        over a block's), or None with autoTune off or before it reports its cache."""
         metrics = endpoint.metrics
         if not (self.auto_tune and metrics.known(CACHE_INFO, now) and metrics.num_gpu_blocks):
-            return self.capacity
+            return None
         cache_tokens = metrics.num_gpu_blocks * (metrics.block_size or self.block_size_tokens)
         block_tokens = blocks.step * self.tokens_per_char() if blocks.is_text else blocks.step
-        return max(metrics.num_gpu_blocks, int(cache_tokens / block_tokens))
+        return max(1, int(cache_tokens / block_tokens))
 
     def block_size(self, endpoints: Sequence[Endpoint], now: float) -> int:
         size = self.block_size_tokens
@@ -227,13 +244,20 @@ class ApproxPrefixMatcher:
                     "blockSizeTokens": block_size,
                 },
             )
-            matched = self.index.match(blocks, endpoints)
+            remembered = self.index.match(blocks, endpoints)
+            matched = remembered
+            if self.cache_window:
+                # What each pod can still hold: the blocks recorded on it within its
+                # cache's worth of the latest.
+                held = {e: self.index.recent_run(blocks, e, run) for e, run in remembered.items()}
+                matched = {e: run for e, run in held.items() if run > 0}
             info = PrefixMatchInfo(
                 blocks.total,
                 block_size,
                 matched,
                 blocks.uncapped,
-                continues=self.index.continues(blocks, matched),
+                continues=self.index.continues(blocks, remembered),
+                remembered=remembered if self.cache_window else None,
             )
             cycle.put(self._blocks, blocks)
         cycle.put(self.key, info)
@@ -257,7 +281,12 @@ class ApproxPrefixMatcher:
         now = self.clock()
         before = self.index.evictions
         for holder in holders:
-            self.index.add(holder, blocks.all(), self.capacity_of(holder, blocks, now))
+            capacity = self.capacity_of(holder, blocks, now)
+            window = None
+            if self.cache_window:
+                cache = self.cache_blocks_of(holder, blocks, now)
+                window = capacity if cache is None else cache
+            self.index.add(holder, blocks.all(), capacity, window)
         self.index.mark_end(blocks)
         if self.index.evictions > before:
             self._evictions.inc(self.index.evictions - before)
@@ -273,6 +302,7 @@ class ApproxPrefixCacheProducer:
         lru_capacity_per_server: Annotated[int, msgspec.Meta(ge=1)] = 31250
         block_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # deprecated in llm-d
         chars_per_token: Annotated[float, msgspec.Meta(gt=0)] = DEFAULT_CHARS_PER_TOKEN
+        cache_window: bool = False
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         block_size = params.block_size_tokens
@@ -300,6 +330,7 @@ class ApproxPrefixCacheProducer:
             capacity=params.lru_capacity_per_server,
             chars_per_token=params.chars_per_token,
             min_block_size_tokens=LLMD_MIN_BLOCK_SIZE_TOKENS,
+            cache_window=params.cache_window,
         )
 
     async def prepare(

@@ -230,6 +230,15 @@ class TtftPredictions:
         """Prompt tokens of the requests this EPP has decoding on `endpoint`."""
         return self._producer.decoding_tokens(endpoint)
 
+    def remembered_share(self, endpoint: Endpoint) -> float | None:
+        """The share of the prompt's blocks `endpoint` was ever sent and its prefix
+        index still remembers, where the index tells that apart from what the pod
+        still holds (`PrefixMatchInfo.remembered`); None where it does not."""
+        info = self._cycle.get(self._producer.prefix_key)
+        if info is None or info.remembered is None or info.total_blocks <= 0:
+            return None
+        return min(1.0, info.remembered.get(endpoint, 0.0) / info.total_blocks)
+
     @property
     def continues(self) -> bool:
         """The prompt continues an earlier one (its prefix producer says so)."""

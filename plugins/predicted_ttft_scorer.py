@@ -8,7 +8,9 @@ what the pick does to the requests that follow. Ties are ranked
 
 1. by the share of the prompt the pod would have to prefill, in tenths: a pod
    holding the prompt's prefix adds less work to the fleet and keeps the prefix
-   in one place. A pod with more than `balanceFactor` (1.5) times the fleet's
+   in one place (with the prefix producer's `cacheWindow`, the share the pod was
+   ever sent, even where its cache may have evicted it: a prompt group stays on
+   one pod). A pod with more than `balanceFactor` (1.5) times the fleet's
    mean uncached tokens in flight from this EPP counts as holding nothing: a hot
    prefix, or a prompt every conversation shares, then spreads to the pods that
    are less loaded instead of piling onto the pods that hold it;
@@ -327,7 +329,16 @@ class PredictedTtftScorer:
         def uncached_rank(e: Endpoint) -> int:
             if session_tie:
                 return 0  # where the prompt's start is cached does not count
-            return 10 if e in crowded else _uncached_tenths(predictions.predict(e))
+            if e in crowded:
+                return 10
+            # With a prefix index that tells them apart (`cacheWindow`), the pod the
+            # prompt's group was sent to ranks first even where its cache may have
+            # evicted it: the prediction already counts the miss, and a group kept
+            # on one pod refills one cache instead of spreading over several.
+            remembered = predictions.remembered_share(e)
+            if remembered is not None:
+                return round(10 * (1.0 - remembered))
+            return _uncached_tenths(predictions.predict(e))
 
         # The queue in tenths of this request's own prefill: a pod with half a prefill
         # queued delays this request by that much, whatever its tokens in flight

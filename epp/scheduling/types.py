@@ -210,6 +210,10 @@ class PrefixMatchInfo:
     # its longest match ends where an earlier request's prompt ended. False when
     # the producer cannot tell.
     continues: bool = False
+    # Where `matched` counts only what each endpoint is likely to hold still (an
+    # approximate index's cache window), the longest prefix each was ever sent and
+    # remembered: the pod a prompt group was sent to. None: the same as `matched`.
+    remembered: Mapping[Endpoint, float] | None = None
 
     def prompt_tokens(self) -> int:
         """The prompt's length, in the producer's tokens, to the block."""

@@ -694,3 +694,24 @@ def test_the_spread_factor_charges_a_crowded_pods_hit_to_a_request_that_starts_s
 def test_a_spread_factor_of_one_or_less_is_refused() -> None:
     with pytest.raises(InvalidConfig, match="spreadFactor"):
         load(one_plugin_config("predicted-ttft-scorer", {"spreadFactor": 1.0}))
+
+
+def test_within_a_tie_the_pod_a_prompt_was_sent_to_ranks_first() -> None:
+    # Neither pod is predicted to hold the prompt (its cache window says b's copy is
+    # gone), so both tie as for a new prompt; b, where the prompt's group was sent,
+    # ranks first, and without the remembered match the pods draw.
+    fleet = Fleet()
+    a, b = make_endpoints(2)
+    req = request(PROMPT)
+    cycle = CycleState()
+    cycle.put(
+        prefix_match_key("approx-prefix-cache-producer"),
+        PrefixMatchInfo(100, 40, {}, remembered={b: 100.0}),
+    )
+    asyncio.run(fleet.producer.prepare(req, cycle, []))
+    scores = fleet.scorer.score(req, cycle, [a, b])
+    assert fleet.seconds(cycle, a) == fleet.seconds(cycle, b)
+    assert scores[b] == 1.0 > scores[a] >= 0.9
+    _, plain = fleet.cycle({})
+    scores = fleet.scorer.score(request(PROMPT), plain, [a, b])
+    assert scores[a] == scores[b] == 1.0

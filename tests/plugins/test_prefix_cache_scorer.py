@@ -352,3 +352,26 @@ def test_without_cache_info_the_configured_capacity_holds() -> None:
     (a,) = make_endpoints(1)
     _learn(source, a, request("f" * 256 * 40))
     assert source.matcher.index.blocks_of(a) == 5
+
+
+def test_the_cache_window_matches_what_the_pod_can_still_hold() -> None:
+    # A cache of 64 engine blocks of 16 tokens holds 16 of the producer's 64-token
+    # blocks; the index remembers 64 (num_gpu_blocks).
+    source = producer(cacheWindow=True)
+    (a,) = make_endpoints(1)
+    a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
+    first = request("g" * 256 * 40)
+    _learn(source, a, first)
+    info = source.matcher.match(first, CycleState(), [a])
+    # A prompt is recorded deepest block first, so its first blocks are the latest.
+    assert info.matched == {a: 16}
+    assert info.remembered == {a: 40}
+    _learn(source, a, request("h" * 256 * 20))  # another prompt fills the window
+    info = source.matcher.match(first, CycleState(), [a])
+    assert info.matched == {}
+    assert info.remembered == {a: 40}
+    # Without the window the match is the remembered one, and nothing is left beside it.
+    plain = producer()
+    plain.matcher.index.add(a, [1], 1)
+    info = plain.matcher.match(first, CycleState(), [a])
+    assert info.remembered is None
