@@ -35,13 +35,13 @@ Parameters (llm-d's names and defaults):
   pod as soon as the pod may have evicted it, which cost hits on small caches.
 - `blockSize` (deprecated in llm-d): taken as `blockSizeTokens` when that is left at
   its default.
-- `cacheWindow` (false; this EPP's, experimental): the match it leaves counts on
+- `cacheWindow` (false; this EPP's; the default profile sets it): the match it leaves counts on
   each endpoint only the blocks recorded there within its KV cache's worth of the
   latest (with autoTune; else `lruCapacityPerServer`), what the pod can still
   hold, so a prediction is not made for a hit the engine has evicted; the whole
   remembered match, the pod a prompt group was sent to, is left beside it
-  (`PrefixMatchInfo.remembered`), which `predicted-ttft-scorer`'s tie rank reads.
-  Not yet measured on the lab's cells (docs/routing.md, Not done yet).
+  (`PrefixMatchInfo.remembered`), which `predicted-ttft-scorer`'s tie rank reads
+  (docs/routing.md, The index's capacity).
 
 `prefix-cache-scorer` without a producer name keeps an index of its own, with
 GIE's parameters (plugins/prefix_cache_scorer.py); both use `ApproxPrefixMatcher`.

@@ -67,14 +67,16 @@ DEFAULT_METRICS_SOURCE: Final = "metrics-data-source"
 DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
-# config, commented. Predicted-TTFT routing on the approximate prefix index, with
-# the decode balance, the spread and the tie cap (docs/routing.md): it needs nothing from the
+# config, commented. Predicted-TTFT routing on the approximate prefix index with its
+# cache window, the decode balance, the spread and the tie cap (docs/routing.md): it needs nothing from the
 # engines but their /metrics. manifests/config/weighted.yaml was the default before.
 DEFAULT_CONFIG: Final = f"""\
 apiVersion: {API_VERSIONS[0]}
 kind: {KIND}
 plugins:
 - type: approx-prefix-cache-producer
+  parameters:
+    cacheWindow: true
 - type: predicted-ttft-producer
 - type: predicted-ttft-scorer
   parameters:
