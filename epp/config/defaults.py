@@ -68,8 +68,9 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
-# cache window, the decode balance, the spread and the tie cap (docs/routing.md): it needs nothing from the
-# engines but their /metrics. manifests/config/weighted.yaml was the default before.
+# cache window, the decode balance, the spread and the tie cap (docs/routing.md): it
+# needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
+# was the default before.
 DEFAULT_CONFIG: Final = f"""\
 apiVersion: {API_VERSIONS[0]}
 kind: {KIND}
