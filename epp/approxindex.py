@@ -116,6 +116,11 @@ class PromptBlocks:
         return isinstance(self._data, str)
 
     @property
+    def units(self) -> int:
+        """The prompt's length: characters (text) or ids (token ids)."""
+        return len(self._data)
+
+    @property
     def step(self) -> int:
         """Characters (text) or ids (token ids) per block."""
         return self._step

@@ -63,7 +63,6 @@ from epp.approxindex import (
     ApproxPrefixIndex,
     PromptBlocks,
     prompt_blocks,
-    prompt_units,
 )
 from epp.datastore import CACHE_INFO, Endpoint
 from epp.promutil import shared
@@ -175,29 +174,24 @@ class ApproxPrefixMatcher:
         }
 
     def tokens_per_char(self) -> float:
-        """Prompt tokens per character of prompt text: as observed (`observe_usage`),
+        """Prompt tokens per character of prompt text: as observed (`observe`),
         or `1 / charsPerToken` before any observation."""
         if self._text_chars > 0.0 and self._text_tokens > 0.0:
             return self._text_tokens / self._text_chars
         return 1.0 / self.chars_per_token
 
-    def observe_usage(self, request: InferenceRequest, prompt_tokens: int) -> None:
+    def observe(self, cycle: CycleState, response: ResponseInfo) -> None:
         """A completed response's prompt tokens, as its engine counted them (template
-        tokens included), for the prompt text the index cut into blocks."""
-        data = prompt_units(request)
-        if not isinstance(data, str) or not data or prompt_tokens <= 0:
+        tokens included), against the characters of the prompt text this request's
+        match cut into blocks (kept in `cycle`: the text is not rebuilt)."""
+        blocks = cycle.get(self._blocks)
+        usage = response.usage
+        if not response.completed or usage is None or usage.prompt_tokens <= 0:
+            return
+        if blocks is None or not blocks.is_text or blocks.units == 0:
             return  # token ids are exact; nothing to learn
-        self._text_chars = self._text_chars * TEXT_MEMORY + len(data)
-        self._text_tokens = self._text_tokens * TEXT_MEMORY + prompt_tokens
-
-    def capacity_of(self, endpoint: Endpoint, blocks: PromptBlocks, now: float) -> int:
-        """How many of this index's blocks (as `blocks` are cut) to remember for
-        `endpoint`: `lruCapacityPerServer`, or with autoTune its `num_gpu_blocks`,
-        but at least its KV cache's tokens over a block's."""
-        cache = self.cache_blocks_of(endpoint, blocks, now)
-        if cache is None:
-            return self.capacity
-        return max(endpoint.metrics.num_gpu_blocks, cache)
+        self._text_chars = self._text_chars * TEXT_MEMORY + blocks.units
+        self._text_tokens = self._text_tokens * TEXT_MEMORY + usage.prompt_tokens
 
     def cache_blocks_of(self, endpoint: Endpoint, blocks: PromptBlocks, now: float) -> int | None:
         """How many of this index's blocks `endpoint`'s KV cache holds (its tokens
@@ -281,11 +275,10 @@ class ApproxPrefixMatcher:
         now = self.clock()
         before = self.index.evictions
         for holder in holders:
-            capacity = self.capacity_of(holder, blocks, now)
-            window = None
-            if self.cache_window:
-                cache = self.cache_blocks_of(holder, blocks, now)
-                window = capacity if cache is None else cache
+            # llm-d's count (num_gpu_blocks), but never less than the cache itself.
+            cache = self.cache_blocks_of(holder, blocks, now)
+            capacity = self.capacity if cache is None else max(holder.metrics.num_gpu_blocks, cache)
+            window = (capacity if cache is None else cache) if self.cache_window else None
             self.index.add(holder, blocks.all(), capacity, window)
         self.index.mark_end(blocks)
         if self.index.evictions > before:
@@ -350,8 +343,7 @@ class ApproxPrefixCacheProducer:
         result: SchedulingResult,
         response: ResponseInfo,
     ) -> None:
-        if response.completed and response.usage is not None:
-            self.matcher.observe_usage(request, response.usage.prompt_tokens)
+        self.matcher.observe(cycle, response)
 
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
         return self.matcher.describe_endpoint(endpoint)

@@ -162,9 +162,9 @@ class PrefixCacheScorer:
         response: ResponseInfo,
     ) -> None:
         # Its own index's capacity is at least the cache, a text block counted in
-        # the tokens the engines report for its characters (ApproxPrefixMatcher.capacity_of).
-        if self.own is not None and response.completed and response.usage is not None:
-            self.own.observe_usage(request, response.usage.prompt_tokens)
+        # the tokens the engines report for its characters.
+        if self.own is not None:
+            self.own.observe(cycle, response)
 
     def describe_endpoint(self, endpoint: Endpoint) -> Mapping[str, object]:
         return self.own.describe_endpoint(endpoint) if self.own is not None else {}

@@ -247,25 +247,25 @@ def test_the_llm_d_producer_raises_short_blocks_to_64_tokens() -> None:
 # -- the index's capacity, with autoTune -------------------------------------------------
 
 
-def _learn(source: ApproxPrefixCacheProducer, endpoint, req: InferenceRequest) -> None:  # type: ignore[no-untyped-def]
+def _learn(source: ApproxPrefixCacheProducer, endpoint, req: InferenceRequest) -> CycleState:  # type: ignore[no-untyped-def]
+    """Route `req` to `endpoint` through the producer; the request's cycle."""
     cycle = CycleState()
     source.matcher.match(req, cycle, [endpoint])
     source.pre_request(req, cycle, routed(endpoint))
+    return cycle
 
 
-def _completed(
-    source: ApproxPrefixCacheProducer,
-    req: InferenceRequest,
-    prompt_tokens: int,
-    *,
-    completed: bool = True,
-) -> None:
-    source.post_response(
-        req,
-        CycleState(),
-        routed(make_endpoints(1)[0]),
-        ResponseInfo(completed=completed, status=200, usage=Usage(prompt_tokens=prompt_tokens)),
-    )
+def _answered(prompt_tokens: int | None, *, completed: bool = True) -> ResponseInfo:
+    usage = None if prompt_tokens is None else Usage(prompt_tokens=prompt_tokens)
+    return ResponseInfo(completed=completed, status=200, usage=usage)
+
+
+def _served(plugin: PrefixCacheScorer, req: InferenceRequest, endpoint, prompt_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    """`req` picked for `endpoint` by the scorer, then answered with `prompt_tokens`."""
+    cycle = CycleState()
+    plugin.score(req, cycle, [endpoint])
+    plugin.pre_request(req, cycle, routed(endpoint))
+    plugin.post_response(req, cycle, routed(endpoint), _answered(prompt_tokens))
 
 
 def test_auto_tuned_capacity_is_num_gpu_blocks_where_that_covers_the_cache() -> None:
@@ -291,13 +291,7 @@ def test_the_capacity_is_never_less_than_the_cache_in_the_texts_own_tokens() -> 
     a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
     pick(scorer, request("b" * 64 * 200), [a], a)
     assert scorer.own.index.blocks_of(a) == 64  # before any count: 16 tokens a block
-    first = request("c" * 64 * 200)
-    scorer.post_response(
-        first,
-        CycleState(),
-        routed(a),
-        ResponseInfo(completed=True, status=200, usage=Usage(prompt_tokens=64 * 200 // 8)),
-    )
+    _served(scorer, request("c" * 64 * 200), a, 64 * 200 // 8)
     pick(scorer, request("d" * 64 * 200), [a], a)
     assert scorer.own.index.blocks_of(a) == 128
     assert scorer.own.tokens_per_char() == pytest.approx(1 / 8)
@@ -305,12 +299,10 @@ def test_the_capacity_is_never_less_than_the_cache_in_the_texts_own_tokens() -> 
 
 def test_aborted_or_usage_less_responses_and_token_prompts_teach_nothing() -> None:
     source = producer()
+    (a,) = make_endpoints(1)
     text = request("d" * 1000)
-    _completed(source, text, 10, completed=False)
-    source.post_response(
-        text, CycleState(), routed(make_endpoints(1)[0]), ResponseInfo(completed=True)
-    )
-    _completed(source, text, 0)
+    for response in (_answered(10, completed=False), _answered(None), _answered(0)):
+        source.post_response(text, _learn(source, a, text), routed(a), response)
     ids = parse_request(
         request_id="r",
         method="POST",
@@ -318,8 +310,10 @@ def test_aborted_or_usage_less_responses_and_token_prompts_teach_nothing() -> No
         headers={},
         body=msgspec.json.encode({"model": "m", "prompt": list(range(1000))}),
     )
-    _completed(source, ids, 10)
+    source.post_response(ids, _learn(source, a, ids), routed(a), _answered(10))
     assert source.matcher.tokens_per_char() == 0.25  # still 1 / charsPerToken
+    source.post_response(text, _learn(source, a, text), routed(a), _answered(100))
+    assert source.matcher.tokens_per_char() == pytest.approx(0.1)  # a text answer teaches
 
 
 def test_token_id_prompts_count_a_block_as_its_ids() -> None:
@@ -329,13 +323,8 @@ def test_token_id_prompts_count_a_block_as_its_ids() -> None:
     assert scorer.own is not None
     (a,) = make_endpoints(1)
     a.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=64, updated_at=time.monotonic())
-    text = request("e" * 800)
-    scorer.post_response(
-        text,
-        CycleState(),
-        routed(a),
-        ResponseInfo(completed=True, status=200, usage=Usage(prompt_tokens=100)),
-    )
+    _served(scorer, request("e" * 800), a, 100)  # text of 8 characters a token
+    assert scorer.own.tokens_per_char() == pytest.approx(1 / 8)
     ids = parse_request(
         request_id="r",
         method="POST",
@@ -344,7 +333,8 @@ def test_token_id_prompts_count_a_block_as_its_ids() -> None:
         body=msgspec.json.encode({"model": "m", "prompt": list(range(16 * 200))}),
     )
     pick(scorer, ids, [a], a)
-    assert scorer.own.index.blocks_of(a) == 64  # a text block would be 8 tokens: 128
+    # Counted as text, a block of 16 ids would be 2 tokens and the cache 512 blocks.
+    assert scorer.own.index.blocks_of(a) == 64
 
 
 def test_without_cache_info_the_configured_capacity_holds() -> None:
