@@ -92,6 +92,13 @@ for the hit or the balance it offers. Capped, long prompts go where they start
 sooner; short prompts' ties are unchanged. On the whole Mooncake trace at 0.8 it
 lowers the p90 and raises the p99 (docs/routing.md, A tie's width).
 
+`newPrefixTieMaxMs` (none: off): the same cap for the ties of prompts no pod holds
+half of (`newPrefixTolerance` wide) alone. A prompt some pod holds keeps its
+`tieTolerance` tie, however long: its rank keeps the prompt with its prefix, where
+capped, the trace's long conversations went where they started soonest, gathered
+on the pods whose queues happened to be short and overflowed their KV caches
+(docs/routing.md, A tie's width).
+
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
 best is logged at debug level. Without the producer's data every endpoint
@@ -168,6 +175,7 @@ class PredictedTtftScorer:
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+        new_prefix_tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -182,6 +190,9 @@ class PredictedTtftScorer:
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
         self.tie_max_s = None if params.tie_max_ms is None else params.tie_max_ms / 1e3
+        self.new_prefix_tie_max_s = (
+            None if params.new_prefix_tie_max_ms is None else params.new_prefix_tie_max_ms / 1e3
+        )
         self._warned = False
 
     def score(
@@ -316,14 +327,17 @@ class PredictedTtftScorer:
         # fewest tokens in flight from this EPP (a prompt no pod holds spreads the
         # load it will bring); they score in (0.9, 1], the others below 0.9 in order
         # of prediction. Equal keys score equal: the picker draws among them.
-        tolerance = self.tie_tolerance
-        if session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints):
-            tolerance = self.new_prefix_tolerance
-        width = tie_base * tolerance
+        wide = session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints)
+        width = tie_base * (self.new_prefix_tolerance if wide else self.tie_tolerance)
         if self.tie_max_s is not None:
             # A long prompt's tie, a share of a second or more, would let its rank
             # pick a pod that much slower.
             width = min(width, self.tie_max_s)
+        if wide and self.new_prefix_tie_max_s is not None:
+            # A new prompt's tie, as wide as its prediction, would send it to a pod
+            # up to twice as slow for the balance; a prompt some pod holds keeps its
+            # tie, whose rank keeps it with its prefix.
+            width = min(width, self.new_prefix_tie_max_s)
         near = best + width + _TIE_FLOOR_S
 
         def uncached_rank(e: Endpoint) -> int:

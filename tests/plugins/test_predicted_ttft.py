@@ -271,6 +271,37 @@ def test_the_tie_is_no_wider_than_tie_max_ms() -> None:
     assert scores[1.0][b] < 0.9
 
 
+def test_new_prefix_tie_max_ms_caps_only_the_tie_of_a_prompt_no_pod_holds() -> None:
+    a, b = make_endpoints(2)
+
+    def scores_with(
+        done: float, matched: Mapping[Endpoint, float], **params: float
+    ) -> Mapping[Endpoint, float]:
+        """b with a whole prefill queued of which `done` is done, a idle: the scores
+        of a prompt each pod holds `matched` blocks of (of 100)."""
+        fleet = Fleet(scorer=PredictedTtftScorer.Parameters(**params))  # type: ignore[arg-type]
+        fleet.route(b)
+        _, fresh = fleet.cycle({})
+        predictions = fresh.get(predicted_ttft_key("predicted-ttft-producer"))
+        assert predictions is not None
+        fleet.clock.advance(done * predictions.predict(b).parts["queued"])
+        _, cycle = fleet.cycle(matched)
+        slower = fleet.seconds(cycle, b) / fleet.seconds(cycle, a) - 1.0
+        assert 0.01 < slower < (0.25 if matched else 1.0)  # inside the uncapped tie
+        return fleet.scorer.score(request(PROMPT), cycle, [a, b])
+
+    # A new prompt, b twice as slow: in its uncapped tie, out of a 1 ms one.
+    assert 0.9 < scores_with(0.0, {})[b] < 1.0
+    assert scores_with(0.0, {}, new_prefix_tie_max_ms=1.0)[b] < 0.9
+    assert scores_with(0.0, {}, tie_max_ms=1.0)[b] < 0.9
+    # A prompt both pods hold most of, b a few percent slower: the 25% tie, which
+    # tieMaxMs caps and newPrefixTieMaxMs leaves.
+    held = {a: 80.0, b: 80.0}
+    assert 0.9 < scores_with(0.97, held)[b] < 1.0
+    assert 0.9 < scores_with(0.97, held, new_prefix_tie_max_ms=1.0)[b] < 1.0
+    assert scores_with(0.97, held, tie_max_ms=1.0)[b] < 0.9
+
+
 def test_near_ties_go_to_the_holder_of_the_prefix_unless_it_is_crowded() -> None:
     fleet = Fleet()
     a, b, c = make_endpoints(3)
@@ -484,6 +515,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"workWeight": -1.0}))
     with pytest.raises(InvalidConfig, match="tieMaxMs"):
         load(one_plugin_config("predicted-ttft-scorer", {"tieMaxMs": -1.0}))
+    with pytest.raises(InvalidConfig, match="newPrefixTieMaxMs"):
+        load(one_plugin_config("predicted-ttft-scorer", {"newPrefixTieMaxMs": -1.0}))
 
 
 def _slo_request(value: str | None, header: str = "x-slo-ttft-ms") -> InferenceRequest:
