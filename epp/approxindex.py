@@ -303,12 +303,20 @@ class ApproxPrefixIndex:
         `endpoint`) are among its last recorded ones (`add`'s window), from the
         first."""
         recent = self._recent.get(endpoint)
-        if recent is None:
+        if recent is None or run <= 0:
             return 0
-        for i in range(run):
-            if blocks.hash(i) not in recent:
-                return i
-        return run
+        # A prompt's blocks were last recorded in order, the first latest: every
+        # prompt holding block i + 1 holds block i (the hashes chain), and `add`
+        # records a prompt's blocks deepest first. So the window, the latest
+        # distinct blocks, holds a leading run of them, found by bisection.
+        low, high = 0, run  # blocks [0, low) are in the window; [high, run) are not
+        while low < high:
+            middle = (low + high) // 2
+            if blocks.hash(middle) in recent:
+                low = middle + 1
+            else:
+                high = middle
+        return low
 
     def remove(self, endpoint: Endpoint) -> None:
         """Forget everything about an endpoint (it left the pool)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 
 from epp.approxindex import ApproxPrefixIndex, PromptBlocks, chain_seed, prompt_blocks
@@ -185,3 +187,33 @@ def test_a_prompt_cut_by_the_cap_marks_no_end() -> None:
     assert matched == {a: 5}
     # Both are cut at block 5: the second is not known to extend the first.
     assert not index.continues(longer, matched)
+
+
+def test_the_window_run_is_the_leading_blocks_among_the_latest_distinct_recorded() -> None:
+    """`recent_run` against its definition, over prompts that share prefixes of
+    every length: the latest `window` distinct blocks recorded (each prompt's
+    deepest first), and the prompt's leading blocks among them."""
+    rng = random.Random(7)
+    (pod,) = make_endpoints(1)
+    index = ApproxPrefixIndex()
+    stems = [" ".join(rng.choice("abcdefgh") * 4 for _ in range(12)) for _ in range(3)]
+    recorded: list[int] = []
+    window = 10
+    for _ in range(60):
+        text = (
+            rng.choice(stems)[: rng.randrange(8, 60)]
+            + " " * rng.randrange(0, 3)
+            + "x" * (rng.randrange(0, 40))
+        )
+        blocks = blocks_of({"model": "m", "prompt": text})
+        probe = blocks_of({"model": "m", "prompt": rng.choice(stems)})
+        run = index.match(probe, [pod]).get(pod, 0)
+        latest: list[int] = []
+        for h in reversed(recorded):
+            if h not in latest:
+                latest.append(h)
+        latest = latest[:window]
+        expected = next((i for i in range(run) if probe.hash(i) not in latest), run)
+        assert index.recent_run(probe, pod, run) == expected
+        index.add(pod, blocks.all(), capacity=1000, window=window)
+        recorded.extend(reversed(blocks.all()))
