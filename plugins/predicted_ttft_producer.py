@@ -398,42 +398,22 @@ class PredictedTtftProducer:
         uncached = prompt - cached
         pod = self._pods.get(endpoint)
         now = self.clock()
-        if pod is None:
-            queued, factor = 0.0, 1.0
-        else:
-            queued, factor = pod.ledger.backlog(now), pod.factor
+        queued = pod.ledger.backlog(now) if pod is not None else 0.0
+        factor = pod.factor if pod is not None else 1.0
         waiting = _waiting(endpoint, now)
         # The first token comes from the decode pod's first step, in its batch.
         decoding = self.decoding(endpoint if decode is None else decode)
         if decode is not None:
             waiting += _waiting(decode, now)
-        pairs = attention_pairs(uncached, cached)
-        features = TtftFeatures(queued, uncached, pairs, decoding, waiting, transfer)
-        # `features.vector()`, inline (this runs for every candidate of every pick),
-        # with the pod's speed scaling its own prefill (the queue is already in its
-        # seconds).
-        x = (
-            1.0,
-            queued,
-            uncached / 1e3 * factor,
-            pairs / 1e6 * factor,
-            float(decoding),
-            float(waiting),
-            transfer / 1e3,
+        features = TtftFeatures(
+            queued, uncached, attention_pairs(uncached, cached), decoding, waiting, transfer
         )
-        w = self.model.weights
-        terms = (
-            w[0] * x[0],
-            w[1] * x[1],
-            w[2] * x[2],
-            w[3] * x[3],
-            w[4] * x[4],
-            w[5] * x[5],
-            w[6] * x[6],
-        )
-        parts = dict(zip(FEATURES, terms, strict=True))
+        raw = features.vector()
+        # The pod's speed scales its own prefill; the queue is already in its seconds.
+        x = (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5], raw[6])
+        parts = {name: w * v for name, w, v in zip(FEATURES, self.model.weights, x, strict=True)}
         return TtftPrediction(
-            seconds=sum(terms),
+            seconds=sum(parts.values()),
             features=features,
             factor=factor,
             x=x,
