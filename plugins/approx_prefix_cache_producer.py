@@ -275,11 +275,14 @@ class ApproxPrefixMatcher:
         now = self.clock()
         before = self.index.evictions
         for holder in holders:
-            # llm-d's count (num_gpu_blocks), but never less than the cache itself.
+            # llm-d's count (num_gpu_blocks), but never less than the cache itself;
+            # the window is the cache (without cache info, the configured capacity).
             cache = self.cache_blocks_of(holder, blocks, now)
-            capacity = self.capacity if cache is None else max(holder.metrics.num_gpu_blocks, cache)
-            window = (capacity if cache is None else cache) if self.cache_window else None
-            self.index.add(holder, blocks.all(), capacity, window)
+            if cache is None:
+                capacity = held = self.capacity
+            else:
+                capacity, held = max(holder.metrics.num_gpu_blocks, cache), cache
+            self.index.add(holder, blocks.all(), capacity, held if self.cache_window else None)
         self.index.mark_end(blocks)
         if self.index.evictions > before:
             self._evictions.inc(self.index.evictions - before)

@@ -360,8 +360,10 @@ def test_the_cache_window_matches_what_the_pod_can_still_hold() -> None:
     info = source.matcher.match(first, CycleState(), [a])
     assert info.matched == {}
     assert info.remembered == {a: 40}
-    # Without the window the match is the remembered one, and nothing is left beside it.
+    # Without the window the match is all the index remembers (64 blocks of
+    # num_gpu_blocks hold the prompt's 40), and nothing is left beside it.
     plain = producer()
-    plain.matcher.index.add(a, [1], 1)
+    _learn(plain, a, first)
     info = plain.matcher.match(first, CycleState(), [a])
+    assert info.matched == {a: 40}
     assert info.remembered is None
