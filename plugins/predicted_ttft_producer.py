@@ -366,8 +366,23 @@ class PredictedTtftProducer:
         return (
             weights[_QUEUED] * queued
             + weights[_DECODING] * decoding
-            + weights[_WAITING] * _waiting(endpoint, now)
+            + weights[_WAITING] * self._waiting(endpoint, now)
         )
+
+    def _waiting(self, endpoint: Endpoint, now: float) -> int:
+        """The requests `endpoint` reported waiting that this EPP's ledger does not
+        account for: its scrape's count less this EPP's requests queued there at
+        the scrape's instant (their prefill is the ledger's queue already; counted
+        twice, a request that just arrived at an engine, and is long running when a
+        snapshot up to a scrape interval old is read, made the pod look 50 ms
+        slower). What is left is traffic this EPP does not see (other replicas)
+        and requests the engine sent back to waiting (preempted)."""
+        metrics = endpoint.metrics
+        if metrics.waiting_requests <= 0 or not metrics.known(WAITING, now):
+            return 0
+        pod = self._pods.get(endpoint)
+        own = 0 if pod is None else pod.ledger.pending_at(metrics.updated_at)
+        return max(0, metrics.waiting_requests - own)
 
     # -- predicting -----------------------------------------------------------------
 
@@ -400,11 +415,11 @@ class PredictedTtftProducer:
         now = self.clock()
         queued = pod.ledger.backlog(now) if pod is not None else 0.0
         factor = pod.factor if pod is not None else 1.0
-        waiting = _waiting(endpoint, now)
+        waiting = self._waiting(endpoint, now)
         # The first token comes from the decode pod's first step, in its batch.
         decoding = self.decoding(endpoint if decode is None else decode)
         if decode is not None:
-            waiting += _waiting(decode, now)
+            waiting += self._waiting(decode, now)
         features = TtftFeatures(
             queued, uncached, attention_pairs(uncached, cached), decoding, waiting, transfer
         )
@@ -534,11 +549,6 @@ class PredictedTtftProducer:
                 "observations": pod.observations,
             }
         }
-
-
-def _waiting(endpoint: Endpoint, now: float) -> int:
-    metrics = endpoint.metrics
-    return metrics.waiting_requests if metrics.known(WAITING, now) else 0
 
 
 def _prefill_target(result: SchedulingResult) -> Endpoint | None:

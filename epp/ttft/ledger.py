@@ -24,30 +24,48 @@ decode pod computes no prefill for it.
 A request charged to a pod is tracked by an opaque key (the caller's), and a
 state machine keeps each request's transitions in order: queued -> decoding ->
 gone, or queued -> gone.
+
+`pending_at(t)` counts the requests that were queued at an earlier instant t:
+charged by then, not started or released until after it. The pod's scraped
+metrics are a snapshot taken at t, and its waiting requests are this EPP's own
+that were still queued then, plus what the ledger cannot know (other replicas'
+traffic, requests preempted back to waiting). The ledger keeps the instants of
+the requests that left its queue for as long as a snapshot may be read
+(`horizon_s`, the metrics' staleness threshold), and at most `MAX_LEFT`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Final
+
+# At most this many departures are kept per pod (a bound on memory whatever the
+# rate; at 2 s of a pod's departures it is a rate of 2,000 requests a second).
+MAX_LEFT: Final = 4096
 
 
 @dataclass(slots=True)
 class _Queued:
     work_s: float
+    since: float  # when it was charged
 
 
 class PodLedger:
     """One pod's queued prefill work and decoding requests, as this EPP sent them."""
 
-    __slots__ = ("_as_of", "_backlog_s", "_queued", "decoding")
+    __slots__ = ("_as_of", "_backlog_s", "_horizon_s", "_left", "_queued", "decoding")
 
-    def __init__(self) -> None:
+    def __init__(self, horizon_s: float = 2.0) -> None:
         self._queued: OrderedDict[Hashable, _Queued] = OrderedDict()
         self._backlog_s = 0.0
         self._as_of = 0.0
         self.decoding = 0
+        self._horizon_s = horizon_s
+        # (charged, left) of the requests that left the queue within the horizon,
+        # in the order they left.
+        self._left: deque[tuple[float, float]] = deque(maxlen=MAX_LEFT)
 
     def _drain(self, now: float) -> None:
         if now > self._as_of:
@@ -67,8 +85,30 @@ class PodLedger:
     def charge(self, key: Hashable, work_s: float, now: float) -> None:
         self._drain(now)
         work_s = max(0.0, work_s)
-        self._queued[key] = _Queued(work_s)
+        self._queued[key] = _Queued(work_s, now)
         self._backlog_s += work_s
+
+    def pending_at(self, t: float) -> int:
+        """Requests that were queued at instant `t` (in the past or now): charged
+        at or before it, started or released after it."""
+        # Both are in time order (charges in `_queued`, departures in `_left`), and
+        # what counts is recent: read from the newest back.
+        later = 0
+        for entry in reversed(self._queued.values()):
+            if entry.since <= t:
+                break
+            later += 1
+        pending = len(self._queued) - later
+        for since, left in reversed(self._left):
+            if left <= t:
+                break
+            pending += since <= t
+        return pending
+
+    def _leave(self, entry: _Queued, now: float) -> None:
+        while self._left and self._left[0][1] < now - self._horizon_s:
+            self._left.popleft()
+        self._left.append((entry.since, now))
 
     def started(self, key: Hashable, now: float, decodes: bool = True) -> None:
         """The request's first token arrived: it decodes from now on (here, unless
@@ -88,6 +128,7 @@ class PodLedger:
             elif other == key:
                 seen = True
         del self._queued[key]
+        self._leave(entry, now)
         self._backlog_s = min(self._backlog_s, after)
         if decodes:
             self.decoding += 1
@@ -102,6 +143,7 @@ class PodLedger:
         entry = self._queued.pop(key, None)
         if entry is not None:
             self._drain(now)
+            self._leave(entry, now)
             self._backlog_s = max(0.0, self._backlog_s - entry.work_s)
         elif was_decoding:
             self.decoding = max(0, self.decoding - 1)
