@@ -15,8 +15,9 @@ The prediction for pod p (epp/ttft/model.py, docs/routing.md explains it):
   `approx-prefix-cache-producer`; a precise producer's match works the same);
   attention grows with U x (C + U / 2);
 - `decoding(p)`: requests this EPP has on p past their first token;
-- `waiting(p)`: requests p reports waiting in its metrics (a full batch; other
-  replicas' traffic);
+- `waiting(p)`: requests p reports waiting in its metrics beyond this EPP's own
+  that were queued there at the scrape (those are in `queued(p)` already): other
+  replicas' traffic, requests preempted back to waiting;
 - f(p): the pod's own speed relative to the fleet, learnt from its observations
   (1 for a new pod, kept in [0.25, 4]).
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from epp.clock import VirtualClock
 from epp.config import InvalidConfig
-from epp.datastore import Datastore, Endpoint, EndpointSpec
+from epp.datastore import Datastore, Endpoint, EndpointMetrics, EndpointSpec
 from epp.errors import BadRequest, Shed
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling import (
@@ -748,3 +748,38 @@ def test_within_a_tie_the_pod_a_prompt_was_sent_to_ranks_first() -> None:
     _, plain = fleet.cycle({})
     scores = fleet.scorer.score(request(PROMPT), plain, [a, b])
     assert scores[a] == scores[b] == 1.0
+
+
+def test_a_pods_waiting_requests_count_only_beyond_this_epps_own_queued_at_the_scrape() -> None:
+    fleet = Fleet()
+    mine, shared, other = make_endpoints(3)
+    req, cycle = fleet.route(mine)
+    fleet.route(shared)
+    start = fleet.clock()
+    # Scrapes 5 ms later: each pod reports a request waiting; `shared` one more
+    # (another replica's), `other` one this EPP never sent.
+    fleet.clock.advance(0.005)
+    scrape = fleet.clock()
+    mine.metrics = EndpointMetrics(waiting_requests=1, updated_at=scrape)
+    shared.metrics = EndpointMetrics(waiting_requests=2, updated_at=scrape)
+    other.metrics = EndpointMetrics(waiting_requests=1, updated_at=scrape)
+    # Read 20 ms later, after `mine`'s request started: that snapshot's waiting
+    # request was this EPP's own, whose prefill its queue already counted.
+    fleet.clock.advance(0.02)
+    fleet.producer.response_first_chunk(
+        req, cycle, routed(("default", mine)), fleet.clock() - start
+    )
+    _, now = fleet.cycle({})
+    predictions = now.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert predictions is not None
+    waiting = {e: predictions.predict(e).features.waiting for e in (mine, shared, other)}
+    assert waiting == {mine: 0, shared: 1, other: 1}
+    per_request = predictions.predict(other).parts["waiting"]
+    assert per_request > 0.0
+    assert predictions.predict(mine).parts["waiting"] == 0.0
+    # A snapshot older than its staleness threshold counts none.
+    fleet.clock.advance(mine.metrics.staleness_s)
+    _, later = fleet.cycle({})
+    stale = later.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert stale is not None
+    assert stale.predict(other).features.waiting == 0

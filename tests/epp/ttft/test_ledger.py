@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epp.ttft.ledger import PodLedger
+from epp.ttft.ledger import MAX_LEFT, PodLedger
 
 
 def test_the_backlog_drains_one_second_per_second_and_never_below_zero() -> None:
@@ -65,3 +65,40 @@ def test_a_first_token_for_a_request_not_queued_changes_nothing() -> None:
     ledger.started("a", now=0.0)  # reported twice
     assert ledger.decoding == 1
     assert ledger.backlog(0.0) == 0.0
+
+
+def test_pending_at_counts_the_requests_queued_at_an_earlier_instant() -> None:
+    ledger = PodLedger()
+    ledger.charge("a", 0.1, now=1.0)
+    ledger.charge("b", 0.1, now=2.0)
+    ledger.charge("c", 0.1, now=3.0)
+    ledger.started("a", now=2.5)
+    ledger.release("b", was_decoding=False, now=3.5)  # aborted before its first token
+    # Instant: the requests charged by then and not yet started or released.
+    expected = {0.5: 0, 1.0: 1, 1.5: 1, 2.2: 2, 2.5: 1, 2.7: 1, 3.2: 2, 3.5: 1, 4.0: 1}
+    assert {t: ledger.pending_at(t) for t in expected} == expected
+    ledger.release("c", was_decoding=False, now=5.0)
+    assert ledger.pending_at(5.0) == 0
+    assert ledger.pending_at(3.2) == 2  # what was queued then has not changed
+
+
+def test_pending_at_forgets_departures_beyond_its_horizon() -> None:
+    ledger = PodLedger(horizon_s=1.0)
+    ledger.charge("a", 0.1, now=0.0)
+    ledger.started("a", now=0.5)
+    assert ledger.pending_at(0.2) == 1
+    # A departure 2 s later: the first one is older than the horizon, forgotten (a
+    # snapshot that old is stale and never read).
+    ledger.charge("b", 0.1, now=2.0)
+    ledger.started("b", now=2.5)
+    assert ledger.pending_at(0.2) == 0
+    assert ledger.pending_at(2.2) == 1
+
+
+def test_pending_at_keeps_at_most_max_left_departures() -> None:
+    ledger = PodLedger()
+    for i in range(MAX_LEFT + 10):
+        ledger.charge(i, 0.0, now=0.0)
+        ledger.started(i, now=0.001)
+    # All left within the horizon, but only the latest MAX_LEFT are remembered.
+    assert ledger.pending_at(0.0) == MAX_LEFT

@@ -181,3 +181,20 @@ def test_bad_settings_are_refused() -> None:
         OnlineTtftModel(forgetting=1.5)
     with pytest.raises(ValueError, match=f"{len(FEATURES)} weights"):
         OnlineTtftModel(prior=(0.0,))
+
+
+def test_it_follows_a_fleet_that_slows_down() -> None:
+    """Every pod half as fast again (a busier fleet, a larger model loaded): within
+    600 observations (the forgetting's memory is about 200) the fit has followed."""
+    rng = random.Random(9)
+    model = OnlineTtftModel()
+    _train(model, _fleet, rng, 600)
+
+    def slower(rng: random.Random) -> tuple[TtftFeatures, float]:
+        features, ttft = _fleet(rng)
+        return features, 1.5 * (ttft - features.queued_s) + features.queued_s
+
+    _train(model, slower, rng, 600)
+    assert model.describe()["prefill"] == pytest.approx(0.075, rel=0.1)
+    errors = _errors(model, slower, rng, 200)
+    assert errors[len(errors) // 2] < 0.05
