@@ -15,9 +15,10 @@ The prediction for pod p (epp/ttft/model.py, docs/routing.md explains it):
   `approx-prefix-cache-producer`; a precise producer's match works the same);
   attention grows with U x (C + U / 2);
 - `decoding(p)`: requests this EPP has on p past their first token;
-- `waiting(p)`: requests p reports waiting in its metrics beyond this EPP's own
-  that were queued there at the scrape (those are in `queued(p)` already): other
-  replicas' traffic, requests preempted back to waiting;
+- `waiting(p)`: requests p reports waiting in its metrics (a full batch; other
+  replicas' traffic). With `waitingBeyondOwn`, only those beyond this EPP's own
+  that it expected queued there at the scrape (sent, first token not yet due:
+  those are in `queued(p)` already);
 - f(p): the pod's own speed relative to the fleet, learnt from its observations
   (1 for a new pod, kept in [0.25, 4]).
 
@@ -50,6 +51,9 @@ observation decays by this per later one, a memory of about 200 observations);
 `podAdaptRate` (0.05: how fast f(p) follows a pod's observed/predicted ratio);
 `initialContinuingShare` (0.8: the share of requests assumed to continue an
 earlier one before any has been seen; 0 for traffic known to have no sessions).
+`waitingBeyondOwn` (false; the lab profile predicted-ttft-waiting sets it): count
+a pod's scraped waiting requests only beyond this EPP's own that it expected
+there when the scrape was taken (docs/routing.md, What a pod says is waiting).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
@@ -275,6 +279,7 @@ class PredictedTtftProducer:
         forgetting: Annotated[float, msgspec.Meta(gt=0.5, le=1.0)] = 0.995
         pod_adapt_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
         initial_continuing_share: Annotated[float, msgspec.Meta(ge=0.0, le=0.95)] = SHARE_PRIOR
+        waiting_beyond_own: bool = False
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -284,6 +289,7 @@ class PredictedTtftProducer:
         )
         self.clock = context.clock
         self.model = OnlineTtftModel(forgetting=params.forgetting)
+        self.waiting_beyond_own = params.waiting_beyond_own
         self.adapt = params.pod_adapt_rate
         self._pods: dict[Endpoint, _Pod] = {}
         self._charge: StateKey[_Charge] = StateKey(f"predicted-ttft-charge/{context.name}")
@@ -371,18 +377,24 @@ class PredictedTtftProducer:
         )
 
     def _waiting(self, endpoint: Endpoint, now: float) -> int:
-        """The requests `endpoint` reported waiting that this EPP's ledger does not
-        account for: its scrape's count less this EPP's requests queued there at
-        the scrape's instant (their prefill is the ledger's queue already; counted
-        twice, a request that just arrived at an engine, and is long running when a
-        snapshot up to a scrape interval old is read, made the pod look 50 ms
-        slower). What is left is traffic this EPP does not see (other replicas)
-        and requests the engine sent back to waiting (preempted)."""
+        """The requests `endpoint` reported waiting in its latest fresh scrape.
+
+        With `waitingBeyondOwn`, only those this EPP's ledger does not account for:
+        the scrape's count less this EPP's requests it expected to be queued there
+        at the scrape's instant (sent, and their first token not yet due: their
+        prefill is the ledger's queue already; counted again, a request that had
+        just arrived at an engine, long running when a snapshot up to a scrape
+        interval old is read, makes the pod look 50 ms slower at the prior's
+        weight). What is left is traffic this EPP does not see (other replicas),
+        requests the engine sent back to waiting (preempted), and this EPP's own
+        that are overdue (the pod is behind what was predicted)."""
         metrics = endpoint.metrics
         if metrics.waiting_requests <= 0 or not metrics.known(WAITING, now):
             return 0
+        if not self.waiting_beyond_own:
+            return metrics.waiting_requests
         pod = self._pods.get(endpoint)
-        own = 0 if pod is None else pod.ledger.pending_at(metrics.updated_at)
+        own = 0 if pod is None else pod.ledger.expected_at(metrics.updated_at)
         return max(0, metrics.waiting_requests - own)
 
     # -- predicting -----------------------------------------------------------------
@@ -468,7 +480,10 @@ class PredictedTtftProducer:
         charge = _Charge(pod, prediction, object(), prefill_pod)
         # The request's own prefill joins the computing pod's queue: what later
         # requests wait for.
-        charge.computing.ledger.charge(charge.key, prediction.own_work_s, self.clock())
+        now = self.clock()
+        charge.computing.ledger.charge(
+            charge.key, prediction.own_work_s, now, due=now + prediction.seconds
+        )
         charge.computing.tokens_in_flight += prediction.uncached_tokens
         cycle.put(self._charge, charge)
 

@@ -25,12 +25,14 @@ A request charged to a pod is tracked by an opaque key (the caller's), and a
 state machine keeps each request's transitions in order: queued -> decoding ->
 gone, or queued -> gone.
 
-`pending_at(t)` counts the requests that were queued at an earlier instant t:
-charged by then, not started or released until after it. The pod's scraped
-metrics are a snapshot taken at t, and its waiting requests are this EPP's own
-that were still queued then, plus what the ledger cannot know (other replicas'
-traffic, requests preempted back to waiting). The ledger keeps the instants of
-the requests that left its queue for as long as a snapshot may be read
+`expected_at(t)` counts the requests this EPP expected to be still queued at an
+earlier instant t: charged by then, not started or released until after it, and
+not yet due (`charge`'s `due`: when their first token was predicted). The pod's
+scraped metrics are a snapshot taken at t, and its waiting requests are those,
+plus what the ledger cannot know: other replicas' traffic, requests preempted
+back to waiting, and requests overdue at t (the pod is behind what this EPP
+predicted: a full KV cache, a full batch). The ledger keeps the instants of the
+requests that left its queue for as long as a snapshot may be read
 (`horizon_s`, the metrics' staleness threshold), and at most `MAX_LEFT`.
 """
 
@@ -50,6 +52,7 @@ MAX_LEFT: Final = 4096
 class _Queued:
     work_s: float
     since: float  # when it was charged
+    due: float  # when its first token was predicted
 
 
 class PodLedger:
@@ -63,9 +66,9 @@ class PodLedger:
         self._as_of = 0.0
         self.decoding = 0
         self._horizon_s = horizon_s
-        # (charged, left) of the requests that left the queue within the horizon,
-        # in the order they left.
-        self._left: deque[tuple[float, float]] = deque(maxlen=MAX_LEFT)
+        # (charged, due, left) of the requests that left the queue within the
+        # horizon, in the order they left.
+        self._left: deque[tuple[float, float, float]] = deque(maxlen=MAX_LEFT)
 
     def _drain(self, now: float) -> None:
         if now > self._as_of:
@@ -82,33 +85,33 @@ class PodLedger:
         """Requests charged here that have not produced a first token."""
         return len(self._queued)
 
-    def charge(self, key: Hashable, work_s: float, now: float) -> None:
+    def charge(self, key: Hashable, work_s: float, now: float, due: float | None = None) -> None:
+        """The request joins the queue with `work_s` of predicted prefill; its
+        first token is predicted at `due` (default: once the backlog, its own work
+        included, is done)."""
         self._drain(now)
         work_s = max(0.0, work_s)
-        self._queued[key] = _Queued(work_s, now)
         self._backlog_s += work_s
+        self._queued[key] = _Queued(work_s, now, now + self._backlog_s if due is None else due)
 
-    def pending_at(self, t: float) -> int:
-        """Requests that were queued at instant `t` (in the past or now): charged
-        at or before it, started or released after it."""
-        # Both are in time order (charges in `_queued`, departures in `_left`), and
-        # what counts is recent: read from the newest back.
-        later = 0
-        for entry in reversed(self._queued.values()):
-            if entry.since <= t:
-                break
-            later += 1
-        pending = len(self._queued) - later
-        for since, left in reversed(self._left):
+    def expected_at(self, t: float) -> int:
+        """Requests this EPP expected to be queued at instant `t` (in the past or
+        now): charged at or before it, started or released after it, and due after
+        it."""
+        expected = 0
+        for entry in reversed(self._queued.values()):  # in the order charged
+            if entry.since <= t < entry.due:
+                expected += 1
+        for since, due, left in reversed(self._left):  # in the order they left
             if left <= t:
                 break
-            pending += since <= t
-        return pending
+            expected += since <= t < due
+        return expected
 
     def _leave(self, entry: _Queued, now: float) -> None:
-        while self._left and self._left[0][1] < now - self._horizon_s:
+        while self._left and self._left[0][2] < now - self._horizon_s:
             self._left.popleft()
-        self._left.append((entry.since, now))
+        self._left.append((entry.since, entry.due, now))
 
     def started(self, key: Hashable, now: float, decodes: bool = True) -> None:
         """The request's first token arrived: it decodes from now on (here, unless

@@ -11,10 +11,11 @@
   cached ones. Prefill time is linear in tokens for the matrix multiplies and
   grows with this for attention, which matters for long prompts;
 - `decoding`: requests the pod is decoding, whose tokens share every step;
-- `waiting`: requests the pod itself reports waiting (its scraped metrics) that
-  this EPP's ledger does not account for (the producer's): requests from other
-  EPP replicas or clients, and requests an engine whose KV cache is full sent
-  back to waiting;
+- `waiting`: requests the pod itself reports waiting (its scraped metrics): an
+  engine whose batch is full (max_num_seqs, or no KV blocks left) makes new
+  requests wait for a running one to end, and requests from other EPP replicas
+  or clients queue there unseen by this EPP's own ledger (the producer can count
+  only those its ledger does not account for);
 - `transfer_ktokens`: for a disaggregated request (prefill on one pod, decode on
   another), the prompt tokens whose KV cache the decode pod pulls from the
   prefill pod, in thousands (0 for a request served whole). The other features

@@ -750,11 +750,14 @@ def test_within_a_tie_the_pod_a_prompt_was_sent_to_ranks_first() -> None:
     assert scores[a] == scores[b] == 1.0
 
 
-def test_a_pods_waiting_requests_count_only_beyond_this_epps_own_queued_at_the_scrape() -> None:
-    fleet = Fleet()
+@pytest.mark.parametrize("beyond_own", [True, False])
+def test_with_waiting_beyond_own_a_pods_waiting_requests_count_beyond_this_epps_own(
+    beyond_own: bool,
+) -> None:
+    fleet = Fleet(waitingBeyondOwn=beyond_own)
     mine, shared, other = make_endpoints(3)
     req, cycle = fleet.route(mine)
-    fleet.route(shared)
+    _, shared_cycle = fleet.route(shared)
     start = fleet.clock()
     # Scrapes 5 ms later: each pod reports a request waiting; `shared` one more
     # (another replica's), `other` one this EPP never sent.
@@ -773,10 +776,22 @@ def test_a_pods_waiting_requests_count_only_beyond_this_epps_own_queued_at_the_s
     predictions = now.get(predicted_ttft_key("predicted-ttft-producer"))
     assert predictions is not None
     waiting = {e: predictions.predict(e).features.waiting for e in (mine, shared, other)}
+    if not beyond_own:  # every request the pods report
+        assert waiting == {mine: 1, shared: 2, other: 1}
+        return
     assert waiting == {mine: 0, shared: 1, other: 1}
     per_request = predictions.predict(other).parts["waiting"]
     assert per_request > 0.0
     assert predictions.predict(mine).parts["waiting"] == 0.0
+    # `shared`'s request still waiting after its predicted first token: the pod is
+    # behind what this EPP predicted (a full KV cache, a full batch), and its
+    # waiting request says so.
+    fleet.clock.advance(fleet.seconds(shared_cycle, shared))
+    shared.metrics = EndpointMetrics(waiting_requests=1, updated_at=fleet.clock())
+    _, overdue = fleet.cycle({})
+    behind = overdue.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert behind is not None
+    assert behind.predict(shared).features.waiting == 1
     # A snapshot older than its staleness threshold counts none.
     fleet.clock.advance(mine.metrics.staleness_s)
     _, later = fleet.cycle({})

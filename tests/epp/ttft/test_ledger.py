@@ -67,38 +67,45 @@ def test_a_first_token_for_a_request_not_queued_changes_nothing() -> None:
     assert ledger.backlog(0.0) == 0.0
 
 
-def test_pending_at_counts_the_requests_queued_at_an_earlier_instant() -> None:
+def test_expected_at_counts_the_requests_queued_and_not_yet_due_at_an_instant() -> None:
     ledger = PodLedger()
-    ledger.charge("a", 0.1, now=1.0)
-    ledger.charge("b", 0.1, now=2.0)
-    ledger.charge("c", 0.1, now=3.0)
+    ledger.charge("a", 0.1, now=1.0, due=3.0)
+    ledger.charge("b", 0.1, now=2.0, due=5.0)
+    ledger.charge("c", 0.1, now=3.0, due=3.2)
     ledger.started("a", now=2.5)
     ledger.release("b", was_decoding=False, now=3.5)  # aborted before its first token
-    # Instant: the requests charged by then and not yet started or released.
-    expected = {0.5: 0, 1.0: 1, 1.5: 1, 2.2: 2, 2.5: 1, 2.7: 1, 3.2: 2, 3.5: 1, 4.0: 1}
-    assert {t: ledger.pending_at(t) for t in expected} == expected
+    # Charged by then, not started or released yet, and not overdue: c, still
+    # queued after 3.2, was expected to have its first token by then.
+    expected = {0.5: 0, 1.0: 1, 2.2: 2, 2.5: 1, 3.1: 2, 3.3: 1, 4.0: 0}
+    assert {t: ledger.expected_at(t) for t in expected} == expected
     ledger.release("c", was_decoding=False, now=5.0)
-    assert ledger.pending_at(5.0) == 0
-    assert ledger.pending_at(3.2) == 2  # what was queued then has not changed
+    assert ledger.expected_at(3.1) == 2  # what was expected then has not changed
 
 
-def test_pending_at_forgets_departures_beyond_its_horizon() -> None:
+def test_a_request_is_due_when_the_backlog_is_done_unless_told_otherwise() -> None:
+    ledger = PodLedger()
+    ledger.charge("x", 0.1, now=0.0)  # due at 0.1
+    ledger.charge("y", 0.2, now=0.0)  # behind x: due at 0.3
+    assert [ledger.expected_at(t) for t in (0.05, 0.2, 0.35)] == [2, 1, 0]
+
+
+def test_expected_at_forgets_departures_beyond_its_horizon() -> None:
     ledger = PodLedger(horizon_s=1.0)
-    ledger.charge("a", 0.1, now=0.0)
+    ledger.charge("a", 0.1, now=0.0, due=10.0)
     ledger.started("a", now=0.5)
-    assert ledger.pending_at(0.2) == 1
+    assert ledger.expected_at(0.2) == 1
     # A departure 2 s later: the first one is older than the horizon, forgotten (a
     # snapshot that old is stale and never read).
-    ledger.charge("b", 0.1, now=2.0)
+    ledger.charge("b", 0.1, now=2.0, due=10.0)
     ledger.started("b", now=2.5)
-    assert ledger.pending_at(0.2) == 0
-    assert ledger.pending_at(2.2) == 1
+    assert ledger.expected_at(0.2) == 0
+    assert ledger.expected_at(2.2) == 1
 
 
-def test_pending_at_keeps_at_most_max_left_departures() -> None:
+def test_expected_at_keeps_at_most_max_left_departures() -> None:
     ledger = PodLedger()
     for i in range(MAX_LEFT + 10):
-        ledger.charge(i, 0.0, now=0.0)
+        ledger.charge(i, 0.0, now=0.0, due=1.0)
         ledger.started(i, now=0.001)
     # All left within the horizon, but only the latest MAX_LEFT are remembered.
-    assert ledger.pending_at(0.0) == MAX_LEFT
+    assert ledger.expected_at(0.0) == MAX_LEFT
