@@ -33,7 +33,9 @@ plus what the ledger cannot know: other replicas' traffic, requests preempted
 back to waiting, and requests overdue at t (the pod is behind what this EPP
 predicted: a full KV cache, a full batch). The ledger keeps the instants of the
 requests that left its queue for as long as a snapshot may be read
-(`horizon_s`, the metrics' staleness threshold), and at most `MAX_LEFT`.
+(`horizon_s`, the metrics' default staleness threshold: with a longer one set, a
+request forgotten while a snapshot still counts it waiting counts as another's),
+and at most `MAX_LEFT`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Final
+
+from epp import defaults
 
 # At most this many departures are kept per pod (a bound on memory whatever the
 # rate; at 2 s of a pod's departures it is a rate of 2,000 requests a second).
@@ -60,7 +64,7 @@ class PodLedger:
 
     __slots__ = ("_as_of", "_backlog_s", "_horizon_s", "_left", "_queued", "decoding")
 
-    def __init__(self, horizon_s: float = 2.0) -> None:
+    def __init__(self, horizon_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds) -> None:
         self._queued: OrderedDict[Hashable, _Queued] = OrderedDict()
         self._backlog_s = 0.0
         self._as_of = 0.0
@@ -99,10 +103,10 @@ class PodLedger:
         now): charged at or before it, started or released after it, and due after
         it."""
         expected = 0
-        for entry in reversed(self._queued.values()):  # in the order charged
+        for entry in self._queued.values():
             if entry.since <= t < entry.due:
                 expected += 1
-        for since, due, left in reversed(self._left):  # in the order they left
+        for since, due, left in reversed(self._left):  # the latest to leave first
             if left <= t:
                 break
             expected += since <= t < due
