@@ -91,7 +91,7 @@ from epp.scheduling import (
     TtftObservation,
     prefix_match_key,
 )
-from epp.ttft.ledger import PodLedger
+from epp.ttft.ledger import DEPARTURE_HORIZON_S, PodLedger
 from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pairs
 
 log = logging.getLogger(__name__)
@@ -163,8 +163,8 @@ def predicted_ttft_key(producer: str) -> StateKey[TtftPredictions]:
 class _Pod:
     __slots__ = ("decoding_tokens", "factor", "ledger", "observations", "tokens_in_flight")
 
-    def __init__(self) -> None:
-        self.ledger = PodLedger()
+    def __init__(self, ledger: PodLedger) -> None:
+        self.ledger = ledger
         self.factor = 1.0
         self.observations = 0
         # Uncached prompt tokens of the requests in flight here, from pick to end
@@ -339,7 +339,9 @@ class PredictedTtftProducer:
     def _pod(self, endpoint: Endpoint) -> _Pod:
         pod = self._pods.get(endpoint)
         if pod is None:
-            pod = self._pods[endpoint] = _Pod()
+            # Departures are remembered only for `waitingBeyondOwn`, which reads them.
+            horizon = DEPARTURE_HORIZON_S if self.waiting_beyond_own else 0.0
+            pod = self._pods[endpoint] = _Pod(PodLedger(horizon_s=horizon))
         return pod
 
     def requests_in_flight(self, endpoint: Endpoint) -> int:

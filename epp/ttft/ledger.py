@@ -32,10 +32,10 @@ scraped metrics are a snapshot taken at t, and its waiting requests are those,
 plus what the ledger cannot know: other replicas' traffic, requests preempted
 back to waiting, and requests overdue at t (the pod is behind what this EPP
 predicted: a full KV cache, a full batch). The ledger keeps the instants of the
-requests that left its queue for as long as a snapshot may be read
-(`horizon_s`, the metrics' default staleness threshold: with a longer one set, a
-request forgotten while a snapshot still counts it waiting counts as another's),
-and at most `MAX_LEFT`.
+requests that left its queue for `horizon_s` (none by default; its caller's
+`DEPARTURE_HORIZON_S`, as long as a snapshot may be read at the metrics' default
+staleness threshold: with a longer one set, a request forgotten while a snapshot
+still counts it waiting counts as another's), and at most `MAX_LEFT`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from typing import Final
 
 from epp import defaults
 
+# How long departures are kept for `expected_at`: as long as a scrape stays fresh.
+DEPARTURE_HORIZON_S: Final = defaults.METRICS_STALENESS_THRESHOLD.seconds
 # At most this many departures are kept per pod (a bound on memory whatever the
 # rate; at 2 s of a pod's departures it is a rate of 2,000 requests a second).
 MAX_LEFT: Final = 4096
@@ -64,7 +66,7 @@ class PodLedger:
 
     __slots__ = ("_as_of", "_backlog_s", "_horizon_s", "_left", "_queued", "decoding")
 
-    def __init__(self, horizon_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds) -> None:
+    def __init__(self, horizon_s: float = 0.0) -> None:
         self._queued: OrderedDict[Hashable, _Queued] = OrderedDict()
         self._backlog_s = 0.0
         self._as_of = 0.0
@@ -113,6 +115,8 @@ class PodLedger:
         return expected
 
     def _leave(self, entry: _Queued, now: float) -> None:
+        if self._horizon_s <= 0.0:
+            return  # nobody asks what was queued earlier
         while self._left and self._left[0][2] < now - self._horizon_s:
             self._left.popleft()
         self._left.append((entry.since, entry.due, now))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epp.ttft.ledger import MAX_LEFT, PodLedger
+from epp.ttft.ledger import DEPARTURE_HORIZON_S, MAX_LEFT, PodLedger
 
 
 def test_the_backlog_drains_one_second_per_second_and_never_below_zero() -> None:
@@ -68,7 +68,7 @@ def test_a_first_token_for_a_request_not_queued_changes_nothing() -> None:
 
 
 def test_expected_at_counts_the_requests_queued_and_not_yet_due_at_an_instant() -> None:
-    ledger = PodLedger()
+    ledger = PodLedger(horizon_s=DEPARTURE_HORIZON_S)
     ledger.charge("a", 0.1, now=1.0, due=3.0)
     ledger.charge("b", 0.1, now=2.0, due=5.0)
     ledger.charge("c", 0.1, now=3.0, due=3.2)
@@ -103,9 +103,18 @@ def test_expected_at_forgets_departures_beyond_its_horizon() -> None:
 
 
 def test_expected_at_keeps_at_most_max_left_departures() -> None:
-    ledger = PodLedger()
+    ledger = PodLedger(horizon_s=DEPARTURE_HORIZON_S)
     for i in range(MAX_LEFT + 10):
         ledger.charge(i, 0.0, now=0.0, due=1.0)
         ledger.started(i, now=0.001)
     # All left within the horizon, but only the latest MAX_LEFT are remembered.
     assert ledger.expected_at(0.0) == MAX_LEFT
+
+
+def test_without_a_horizon_no_departure_is_kept() -> None:
+    """The default: nothing reads them, so only the requests still queued count."""
+    ledger = PodLedger()
+    ledger.charge("gone", 0.1, now=0.0, due=10.0)
+    ledger.charge("queued", 0.1, now=0.0, due=10.0)
+    ledger.started("gone", now=0.5)
+    assert ledger.expected_at(0.2) == 1
