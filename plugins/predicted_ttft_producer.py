@@ -54,6 +54,11 @@ earlier one before any has been seen; 0 for traffic known to have no sessions).
 `waitingBeyondOwn` (false; the lab profile predicted-ttft-waiting sets it): count
 a pod's scraped waiting requests only beyond this EPP's own that it expected
 there when the scrape was taken (docs/routing.md, What a pod says is waiting).
+`minPrefillWeightMs` (0; the lab profile predicted-ttft-prefill-floor sets 15):
+the least the model's prefill weight may be, in milliseconds per 1,000 uncached
+tokens; on prompts all of one length the fit cannot tell that weight from the
+fixed cost and may take it to 0, after which the ledger charges no prefill and
+every queue reads empty (docs/routing.md, The prefill weight's floor).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
@@ -280,15 +285,24 @@ class PredictedTtftProducer:
         pod_adapt_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
         initial_continuing_share: Annotated[float, msgspec.Meta(ge=0.0, le=0.95)] = SHARE_PRIOR
         waiting_beyond_own: bool = False
+        min_prefill_weight_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1000.0)] = 0.0
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
+        if not math.isfinite(params.min_prefill_weight_ms):
+            raise ValueError(
+                "minPrefillWeightMs must be a finite number of milliseconds per 1,000"
+                f" tokens in [0, 1000], got {params.min_prefill_weight_ms}"
+            )
         self.name = context.name
         self.key = predicted_ttft_key(context.name)
         self.prefix_key = prefix_match_key(
             params.prefix_match_info_producer_name or DEFAULT_PREFIX_PRODUCER
         )
         self.clock = context.clock
-        self.model = OnlineTtftModel(forgetting=params.forgetting)
+        lower = [0.0] * len(FEATURES)
+        # The prefill feature is in thousands of tokens, its weight in seconds.
+        lower[FEATURES.index("prefill")] = params.min_prefill_weight_ms / 1e3
+        self.model = OnlineTtftModel(forgetting=params.forgetting, lower=lower)
         self.waiting_beyond_own = params.waiting_beyond_own
         self.adapt = params.pod_adapt_rate
         self._pods: dict[Endpoint, _Pod] = {}

@@ -46,6 +46,17 @@ on hot-prefix: +19% median bias, error p50 19% against 11% with the constrained
 weights). The update is O(k^2) for k = 7 features, the constraint O(k^2) per
 negative weight: a few microseconds in Python.
 
+A weight may be given a bound above 0 (`lower`), enforced the same way. When
+every prompt has about the same length (independent questions of one size), the
+observations cannot tell the fixed cost from the cost per prompt token: the fit
+trades one for the other, and the noise (queue waits the features miss) can
+drive the prefill weight to 0, with the fixed weight taking the whole of it. The
+predictions stay right, but a request's own prefill is then predicted to take
+no time, so the ledger charges nothing for it and every pod's queue reads empty
+(the producer's `minPrefillWeightMs`). Conditioned on the bound, the fixed
+weight gives up what the prefill weight is held at, and the predictions stay
+where they were.
+
 The covariance is made symmetric again after every update: the features' scales
 differ by many orders of magnitude, and the rounding of the in-place update,
 left to accumulate, cost it its positive definiteness after a few thousand
@@ -123,15 +134,20 @@ class OnlineTtftModel:
         prior: Sequence[float] = PRIOR_WEIGHTS,
         prior_variance: Sequence[float] = PRIOR_VARIANCE,
         clip: float = 4.0,
+        lower: Sequence[float] | None = None,
     ) -> None:
         if not 0.5 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0.5, 1], got {forgetting}")
         if len(prior) != len(FEATURES) or len(prior_variance) != len(FEATURES):
             raise ValueError(f"the model has {len(FEATURES)} weights")
+        self.lower = [0.0] * len(FEATURES) if lower is None else [float(v) for v in lower]
+        if len(self.lower) != len(FEATURES) or not all(0.0 <= v < float("inf") for v in self.lower):
+            raise ValueError(f"lower needs {len(FEATURES)} finite bounds >= 0, got {lower}")
         self.forgetting = forgetting
         self.clip = clip
         self._fit = list(prior)  # the unconstrained least-squares estimate
-        self.weights = [max(0.0, w) for w in prior]  # what predictions use (non_negative)
+        # What predictions use: the fit within its bounds (`non_negative`).
+        self.weights = [max(b, w) for b, w in zip(self.lower, prior, strict=True)]
         # Forgetting inflates the variance of a weight no observation informs (a
         # fleet that never decodes tells nothing of `decoding`) without bound, and
         # the first observation that does would then swing it wildly ("windup"):
@@ -198,7 +214,7 @@ class OnlineTtftModel:
                 for j in range(k):
                     p[i][j] *= shrink
                     p[j][i] *= shrink
-        self.weights = non_negative(self._fit, p)
+        self.weights = non_negative(self._fit, p, self.lower)
         self.observations += 1
         return before
 
@@ -206,27 +222,33 @@ class OnlineTtftModel:
         return dict(zip(FEATURES, self.weights, strict=True))
 
 
-def non_negative(fit: Sequence[float], covariance: Sequence[Sequence[float]]) -> list[float]:
-    """The least-squares weights under the constraint that none is negative, from
-    the unconstrained `fit` and its `covariance` (the module docstring says why):
-    the most negative weight is fixed at 0 and the others conditioned on it, until
-    none is negative."""
+def non_negative(
+    fit: Sequence[float],
+    covariance: Sequence[Sequence[float]],
+    lower: Sequence[float] | None = None,
+) -> list[float]:
+    """The least-squares weights under the constraint that none is below its
+    bound in `lower` (0 each by default), from the unconstrained `fit` and its
+    `covariance` (the module docstring says why): the weight furthest below its
+    bound is fixed at the bound and the others conditioned on it, until none is
+    below."""
     k = len(fit)
+    bounds = [0.0] * k if lower is None else list(lower)
     w = list(fit)
     p = [list(row) for row in covariance]
     fixed: set[int] = set()
     while True:
-        negative = [i for i in range(k) if i not in fixed and w[i] < 0.0]
-        if not negative:
+        below = [i for i in range(k) if i not in fixed and w[i] < bounds[i]]
+        if not below:
             break
-        i = min(negative, key=w.__getitem__)
+        i = min(below, key=lambda j: w[j] - bounds[j])
         fixed.add(i)
         pii = p[i][i]
         if pii > 0.0:
             column = [p[r][i] for r in range(k)]
-            shift = w[i] / pii
+            shift = (w[i] - bounds[i]) / pii
             w = [w[r] - column[r] * shift for r in range(k)]
             p = [[p[r][c] - column[r] * column[c] / pii for c in range(k)] for r in range(k)]
-        w[i] = 0.0
-    # Rounding can leave a fixed weight at -1e-18, and a conditioned one as well.
-    return [max(0.0, v) for v in w]
+        w[i] = bounds[i]
+    # Rounding can leave a fixed weight a hair below its bound, and a conditioned one as well.
+    return [max(b, v) for b, v in zip(bounds, w, strict=True)]
