@@ -288,11 +288,6 @@ class PredictedTtftProducer:
         min_prefill_weight_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1000.0)] = 0.0
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
-        if not math.isfinite(params.min_prefill_weight_ms):
-            raise ValueError(
-                "minPrefillWeightMs must be a finite number of milliseconds per 1,000"
-                f" tokens in [0, 1000], got {params.min_prefill_weight_ms}"
-            )
         self.name = context.name
         self.key = predicted_ttft_key(context.name)
         self.prefix_key = prefix_match_key(

@@ -37,6 +37,7 @@ from epp.scheduling import (
     TtftObservation,
     prefix_match_key,
 )
+from epp.ttft.model import FEATURES
 from tests.plugins.helpers import context, make_endpoints
 from tests.plugins.llmd_helpers import load, one_plugin_config, request, routed, with_match
 
@@ -194,6 +195,40 @@ def test_predictions_learn_the_pods_speed_from_observed_first_tokens() -> None:
         "epp_ttft_model_covariance_resets_total", {"plugin": "predicted-ttft-producer"}
     )
     assert resets == 0  # exported, and a plain fit needs none
+
+
+def test_a_prefill_floor_binds_only_below_what_the_fit_finds() -> None:
+    """`minPrefillWeightMs` reaches the model as a bound on its prefill weight; a
+    fleet whose prompts cost more than the floor is predicted exactly as without
+    it, and one whose prompts the fit says cost nothing has its requests' own
+    prefill charged to the ledger at the floor (tests/epp/ttft/test_model.py has
+    the fit's side of it)."""
+    floors = {}
+    for observed in (0.1, 0.001):
+        for floor in (0.0, 15.0):
+            fleet = Fleet(minPrefillWeightMs=floor)
+            assert fleet.producer.model.lower[FEATURES.index("prefill")] == floor / 1e3
+            (a,) = make_endpoints(1)
+            for _ in range(300):
+                _observe(fleet, a, observed)
+            fleet.route(a)  # charged to a's queue: its own prefill, as predicted
+            _, cycle = fleet.cycle({})
+            predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+            assert predictions is not None
+            floors[observed, floor] = (
+                fleet.producer.model.describe()["prefill"],
+                predictions.predict(a).parts["queued"],
+            )
+    # 100 ms for 4,000 uncached tokens: the fit's prefill weight is above 15 ms per
+    # 1,000 tokens, and the floor changes nothing.
+    assert floors[0.1, 15.0] == floors[0.1, 0.0]
+    assert floors[0.1, 0.0][0] > 0.015
+    # 1 ms for 4,000 tokens: without a floor the fit says tokens cost nothing and
+    # a pod with a request just sent shows no queue; with it, the request's
+    # prefill at 15 ms per 1,000 tokens is queued there.
+    assert floors[0.001, 0.0] == (0.0, 0.0)
+    assert floors[0.001, 15.0][0] == pytest.approx(0.015)
+    assert floors[0.001, 15.0][1] > 0.0
 
 
 def test_a_slow_pod_is_learnt_and_avoided() -> None:
@@ -500,6 +535,9 @@ def test_without_the_producer_every_pod_scores_one_with_a_warning(
         ({"forgetting": 2.0}, "forgetting"),
         ({"podAdaptRate": -0.5}, "podAdaptRate"),
         ({"noSuchParameter": 1}, "noSuchParameter"),
+        ({"minPrefillWeightMs": -1.0}, "minPrefillWeightMs"),
+        ({"minPrefillWeightMs": float("nan")}, "minPrefillWeightMs"),
+        ({"minPrefillWeightMs": 1e9}, "minPrefillWeightMs"),
     ],
 )
 def test_bad_parameters_are_refused(parameters: dict[str, object], message: str) -> None:

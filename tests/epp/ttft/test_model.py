@@ -95,6 +95,63 @@ def test_a_negative_weight_is_fixed_at_zero_and_the_others_take_its_share() -> N
     ) == (pytest.approx([0.0, 0.0, 2.0]))
 
 
+def test_a_weight_below_its_bound_is_held_there_and_the_others_give_up_its_share() -> None:
+    # The second weight's bound is 0.5, its fit 0.2: held at 0.5, the first,
+    # correlated with it, moves by cov / var times the difference.
+    assert non_negative([1.0, 0.2], [[1.0, 0.5], [0.5, 1.0]], [0.0, 0.5]) == pytest.approx(
+        [1.15, 0.5]
+    )
+    # Bounds of 0 are the plain non-negativity.
+    assert non_negative([1.0, -1.0], [[1.0, 0.5], [0.5, 1.0]], [0.0, 0.0]) == pytest.approx(
+        [1.5, 0.0]
+    )
+
+
+def _one_length(rng: random.Random) -> tuple[TtftFeatures, float]:
+    """Independent prompts all of about one length (1,856 or 1,920 tokens), each
+    pod idle: the TTFT does not tell the fixed cost from the cost per token, and
+    its noise here runs against the length."""
+    uncached = rng.choice((1856, 1920))
+    ttft = 0.047 - (uncached - 1856) * 2e-6 + rng.uniform(-0.002, 0.002)
+    return TtftFeatures(0.0, uncached, attention_pairs(uncached, 0), 0), ttft
+
+
+@pytest.mark.parametrize("bound", [None, 0.015])
+def test_prompts_of_one_length_keep_the_prefill_weight_at_its_bound(bound: float | None) -> None:
+    rng = random.Random(5)
+    lower = None
+    if bound is not None:
+        lower = [0.0] * len(FEATURES)
+        lower[FEATURES.index("prefill")] = bound
+    model = OnlineTtftModel(lower=lower)
+    for _ in range(1000):
+        features, ttft = _one_length(rng)
+        model.observe(features.vector(), ttft)
+    prefill = model.describe()["prefill"]
+    if bound is None:
+        # The premise: left to itself, the fit says a prompt's tokens cost nothing
+        # (so a request's own prefill, what the ledger charges, is predicted 0).
+        assert prefill < 0.002
+    else:
+        assert prefill == pytest.approx(bound)
+        # The fixed cost gave up what the prefill weight is held at.
+        assert model.describe()["fixed"] < 0.047 - 0.5 * bound * 1.9
+    errors = []
+    for _ in range(200):
+        features, ttft = _one_length(rng)
+        errors.append(abs(model.predict(features.vector()) / ttft - 1.0))
+    assert sorted(errors)[len(errors) // 2] < 0.05
+
+
+def test_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="lower"):
+        OnlineTtftModel(lower=[0.0])
+    with pytest.raises(ValueError, match="lower"):
+        OnlineTtftModel(lower=[-1.0] + [0.0] * (len(FEATURES) - 1))
+    with pytest.raises(ValueError, match="lower"):
+        OnlineTtftModel(lower=[float("nan")] + [0.0] * (len(FEATURES) - 1))
+
+
 def test_predictions_stay_unbiased_when_the_fit_wants_a_negative_weight() -> None:
     """Prompts alike (the same cached prefix, uncached tokens in a narrow range): the
     attention pairs move with the uncached tokens, and a fleet whose cost grows
