@@ -101,8 +101,10 @@ from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pa
 
 log = logging.getLogger(__name__)
 
-# Where `predicted_wait`'s terms sit in the model's weights.
-_QUEUED, _DECODING, _WAITING = (FEATURES.index(n) for n in ("queued", "decoding", "waiting"))
+# Where `predicted_wait`'s terms, and the prefill weight's floor, sit in the model's weights.
+_QUEUED, _PREFILL, _DECODING, _WAITING = (
+    FEATURES.index(n) for n in ("queued", "prefill", "decoding", "waiting")
+)
 
 CONTINUING_RATE: Final = 1 / 64
 # Before any evidence, four requests in five are assumed to continue earlier ones
@@ -296,7 +298,7 @@ class PredictedTtftProducer:
         self.clock = context.clock
         lower = [0.0] * len(FEATURES)
         # The prefill feature is in thousands of tokens, its weight in seconds.
-        lower[FEATURES.index("prefill")] = params.min_prefill_weight_ms / 1e3
+        lower[_PREFILL] = params.min_prefill_weight_ms / 1e3
         self.model = OnlineTtftModel(forgetting=params.forgetting, lower=lower)
         self.waiting_beyond_own = params.waiting_beyond_own
         self.adapt = params.pod_adapt_rate

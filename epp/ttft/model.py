@@ -146,7 +146,7 @@ class OnlineTtftModel:
         self.forgetting = forgetting
         self.clip = clip
         self._fit = list(prior)  # the unconstrained least-squares estimate
-        # What predictions use: the fit within its bounds (`non_negative`).
+        # What predictions use: the fit within its bounds (`within_bounds`).
         self.weights = [max(b, w) for b, w in zip(self.lower, prior, strict=True)]
         # Forgetting inflates the variance of a weight no observation informs (a
         # fleet that never decodes tells nothing of `decoding`) without bound, and
@@ -214,7 +214,7 @@ class OnlineTtftModel:
                 for j in range(k):
                     p[i][j] *= shrink
                     p[j][i] *= shrink
-        self.weights = non_negative(self._fit, p, self.lower)
+        self.weights = within_bounds(self._fit, p, self.lower)
         self.observations += 1
         return before
 
@@ -222,7 +222,7 @@ class OnlineTtftModel:
         return dict(zip(FEATURES, self.weights, strict=True))
 
 
-def non_negative(
+def within_bounds(
     fit: Sequence[float],
     covariance: Sequence[Sequence[float]],
     lower: Sequence[float] | None = None,
