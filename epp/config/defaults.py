@@ -68,7 +68,8 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
-# cache window, the decode balance, the spread and the tie cap (docs/routing.md): it
+# cache window, the prefill weight's floor, the decode balance, the spread and the
+# tie cap (docs/routing.md): it
 # needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
 # was the default before.
 DEFAULT_CONFIG: Final = f"""\
@@ -79,6 +80,8 @@ plugins:
   parameters:
     cacheWindow: true
 - type: predicted-ttft-producer
+  parameters:
+    minPrefillWeightMs: 15
 - type: predicted-ttft-scorer
   parameters:
     decodeBalanceFactor: 3

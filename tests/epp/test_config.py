@@ -256,6 +256,12 @@ def test_the_shipped_default_yaml_is_the_built_in_default() -> None:
     assert yaml.safe_load(shipped.read_text()) == yaml.safe_load(DEFAULT_CONFIG)
 
 
+def test_the_default_s_lab_profile_is_the_default() -> None:
+    # docs/routing.md cites the lab's runs of this profile as the default's figures.
+    lab = Path(__file__).parents[2] / "bench" / "profiles" / "predicted-ttft-prefill-floor.yaml"
+    assert yaml.safe_load(lab.read_text()) == yaml.safe_load(DEFAULT_CONFIG)
+
+
 def test_llm_d_api_version_is_accepted(registry: PluginRegistry) -> None:
     text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
     text += "schedulingProfiles:\n- name: default\n"
