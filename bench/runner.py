@@ -127,16 +127,9 @@ class Policy:
     def describe(self) -> dict[str, Any]:
         if self.kind == "epp":
             assert self.config is not None
-            return {"kind": "epp", "config": _relative(self.config)}
+            return {"kind": "epp", "config": portable_path(self.config)}
         assert self.peer is not None
         return {"kind": "peer", "router": self.peer.name, "policy": self.peer_policy}
-
-
-def _relative(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
 
 
 def resolve_policy(spec: str) -> Policy:

@@ -64,7 +64,6 @@ from bench.lab.workload import (
 )
 from bench.provenance import portable_path, provenance
 from bench.runner import PodCounters, resolve_policy, summarize
-from bench.stack import ROOT
 from bench.stats import ci95, percentile
 from bench.workloads import Words, WorkloadSpec, answer_ids, load_words
 from epp.clock import VirtualClock
@@ -775,7 +774,7 @@ class LabPolicy:
     def describe(self) -> dict[str, Any]:
         if self.config is None:
             return {"kind": "model", "model": self.name}
-        return {"kind": "epp", "config": str(self.config.resolve().relative_to(ROOT))}
+        return {"kind": "epp", "config": portable_path(self.config)}
 
     def router_factory(self, registry: PluginRegistry, tokenizer: Path | None) -> RouterFactory:
         """`tokenizer`: the pods' (None: the simulator's built-in one), which the

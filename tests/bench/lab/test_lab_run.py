@@ -115,6 +115,23 @@ def test_the_command_line_runs_and_rejects_bad_input(
         assert not (bad_out / "results.json").exists()
 
 
+def test_a_config_outside_the_checkout_runs_and_is_recorded_by_its_name(
+    tmp_path: Path, qwen_words: Words
+) -> None:
+    # Its path relative to the checkout does not exist: the results file names the
+    # file alone (as it names no directory of the machine), and the run completes.
+    shipped = Path(__file__).parents[3] / "manifests" / "config" / "round-robin.yaml"
+    config = tmp_path / "mine.yaml"
+    config.write_text(shipped.read_text())
+    out = tmp_path / "outside"
+    argv = ["lab", "--pods", "2", "--seeds", "1", "--groups", "2", "--prompts-per-group", "2",
+            "--system-len", "32", "--question-len", "8", "--output-len", "4",
+            "--policy", str(config), "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    runs = json.loads((out / "results.json").read_text())["policies"]["mine"]["runs"]
+    assert [run["config"] for run in runs] == ["mine.yaml"]
+
+
 def test_every_delay_has_its_flag_and_the_flags_set_them(tmp_path: Path, qwen_words: Words) -> None:
     assert {field for _, field, _ in DELAY_FLAGS} == set(Delays.__dataclass_fields__)
     out = tmp_path / "delays"
