@@ -127,36 +127,103 @@ _ERROR_BUCKETS: Final = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-@dataclass(frozen=True, slots=True)
 class TtftPrediction:
-    """One pod's predicted TTFT for one request, and what it is made of (seconds)."""
+    """One pod's predicted TTFT for one request (seconds), what it is made of, and
+    the load this EPP had on that pod when it was made (for a disaggregated
+    prediction, the prefill pod's).
 
-    seconds: float
-    features: TtftFeatures
-    factor: float  # the pod's speed factor f(p) the own-prefill part was scaled by
-    x: tuple[float, ...]  # the model's feature vector
-    parts: Mapping[str, float]  # seconds per model term
-    cached_tokens: int
-    uncached_tokens: int
+    A plain slots class rather than a frozen dataclass: a pick makes one per
+    candidate (64 on a 64-pod fleet), and the feature vector, the parts and the
+    features, which only the chosen pod's charge and /debug/explain read, are
+    derived when asked. Treat it as read-only."""
+
+    __slots__ = (
+        "cached_tokens",
+        "decoding",
+        "decoding_tokens",
+        "factor",
+        "own_work_s",
+        "queue_s",
+        "queued_s",
+        "requests_in_flight",
+        "seconds",
+        "tokens_in_flight",
+        "transfer_tokens",
+        "uncached_tokens",
+        "waiting",
+        "weights",
+    )
+
+    def __init__(
+        self,
+        *,
+        seconds: float,
+        own_work_s: float,
+        queue_s: float,
+        weights: tuple[float, ...],
+        factor: float,
+        queued_s: float,
+        cached_tokens: int,
+        uncached_tokens: int,
+        decoding: int,
+        waiting: int,
+        transfer_tokens: int = 0,
+        requests_in_flight: int = 0,
+        tokens_in_flight: int = 0,
+        decoding_tokens: int = 0,
+    ) -> None:
+        self.seconds = seconds
+        # The request's own prefill on the pod (the model's prefill and attention
+        # terms): what later requests would wait for.
+        self.own_work_s = own_work_s
+        # The model's queued term: the wait for the prefill queued ahead.
+        self.queue_s = queue_s
+        self.weights = weights  # the model's weights when predicted
+        self.factor = factor  # the pod's speed factor f(p) the own prefill was scaled by
+        self.queued_s = queued_s  # the ledger's backlog: the queued feature
+        self.cached_tokens = cached_tokens
+        self.uncached_tokens = uncached_tokens
+        self.decoding = decoding  # requests decoding in the batch the first step joins
+        self.waiting = waiting  # requests the pod(s) report waiting, as counted
+        self.transfer_tokens = transfer_tokens  # KV cache the decode pod pulls
+        # This EPP's load on the pod: requests queued or decoding, their uncached
+        # prompt tokens, and the prompt tokens of those decoding.
+        self.requests_in_flight = requests_in_flight
+        self.tokens_in_flight = tokens_in_flight
+        self.decoding_tokens = decoding_tokens
 
     @property
-    def transfer_tokens(self) -> int:
-        """Tokens of KV cache the decode pod pulls (a disaggregated prediction)."""
-        return round(self.features.transfer_tokens)
+    def features(self) -> TtftFeatures:
+        return TtftFeatures(
+            self.queued_s,
+            self.uncached_tokens,
+            attention_pairs(self.uncached_tokens, self.cached_tokens),
+            self.decoding,
+            self.waiting,
+            self.transfer_tokens,
+        )
 
     @property
-    def own_work_s(self) -> float:
-        """The request's own prefill on the pod: what later requests would wait for."""
-        return self.parts["prefill"] + self.parts["attention"]
+    def x(self) -> tuple[float, ...]:
+        """The model's feature vector, the pod's speed scaling its own prefill (the
+        queue is already in its seconds)."""
+        raw = self.features.vector()
+        factor = self.factor
+        return (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5], raw[6])
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """Seconds per model term."""
+        return {name: w * v for name, w, v in zip(FEATURES, self.weights, self.x, strict=True)}
 
     def describe(self) -> dict[str, float | int]:
         out: dict[str, float | int] = {"predictedTtftMs": round(self.seconds * 1e3, 3)}
         out.update({f"{k}Ms": round(v * 1e3, 3) for k, v in self.parts.items()})
-        if self.features.transfer_tokens <= 0:
+        if self.transfer_tokens <= 0:
             del out["transferMs"]  # served whole: nothing moves between pods
         out["cachedTokens"] = self.cached_tokens
         out["uncachedTokens"] = self.uncached_tokens
-        if self.features.transfer_tokens > 0:
+        if self.transfer_tokens > 0:
             out["transferTokens"] = self.transfer_tokens
         out["podFactor"] = round(self.factor, 4)
         return out
@@ -268,6 +335,14 @@ class TtftPredictions:
             found = self._producer.predict(self._cycle, endpoint)
             self._cache[endpoint] = found
         return found
+
+    def predict_all(self, endpoints: Sequence[Endpoint]) -> dict[Endpoint, TtftPrediction]:
+        """`predict` for each of `endpoints` (those not predicted yet in one pass)."""
+        cache = self._cache
+        missing = [e for e in endpoints if e not in cache]
+        if missing:
+            cache.update(self._producer.predict_many(self._cycle, missing))
+        return {e: cache[e] for e in endpoints}
 
     def predict_disaggregated(self, prefill: Endpoint, decode: Endpoint) -> TtftPrediction:
         """The request's TTFT if `prefill` computes its prompt and `decode` decodes."""
@@ -417,6 +492,14 @@ class PredictedTtftProducer:
     ) -> TtftPrediction:
         """The request's predicted TTFT on `endpoint`; with `decode`, if `endpoint`
         computes the prompt and `decode` (another pod) then decodes."""
+        return self.predict_many(cycle, (endpoint,), decode)[endpoint]
+
+    def predict_many(
+        self, cycle: CycleState, endpoints: Sequence[Endpoint], decode: Endpoint | None = None
+    ) -> dict[Endpoint, TtftPrediction]:
+        """`predict` for each of `endpoints`, at one instant and with the model's
+        weights of that instant. One pass, the per-pick work read once: a pick
+        predicts every candidate, and on a large fleet that is most of its cost."""
         info = cycle.get(self.prefix_key)
         if info is None:
             if not self._warned_no_prefix:
@@ -427,41 +510,74 @@ class PredictedTtftProducer:
                     self.name,
                     self.prefix_key.name,
                 )
-            prompt, cached, transfer = 0, 0, 0
+            prompt, block = 0, 0
+            matched: Mapping[Endpoint, float] = {}
         else:
-            prompt = info.prompt_tokens()
-            cached = min(prompt, round(info.matched.get(endpoint, 0.0) * info.block_size_tokens))
-            transfer = 0
-            if decode is not None:
-                # The decode pod pulls what it does not hold already.
-                held = round(info.matched.get(decode, 0.0) * info.block_size_tokens)
-                transfer = prompt - min(prompt, held)
-        uncached = prompt - cached
-        pod = self._pods.get(endpoint)
+            prompt, block, matched = info.prompt_tokens(), info.block_size_tokens, info.matched
         now = self.clock()
-        queued = pod.ledger.backlog(now) if pod is not None else 0.0
-        factor = pod.factor if pod is not None else 1.0
-        waiting = self._waiting(endpoint, now)
-        # The first token comes from the decode pod's first step, in its batch.
-        decoding = self.decoding(endpoint if decode is None else decode)
+        w0, w1, w2, w3, w4, w5, w6 = weights = tuple(self.model.weights)
+        pods = self._pods
+        transfer = 0
+        decode_pod = None
+        decode_waiting = 0
         if decode is not None:
-            waiting += self._waiting(decode, now)
-        features = TtftFeatures(
-            queued, uncached, attention_pairs(uncached, cached), decoding, waiting, transfer
-        )
-        raw = features.vector()
-        # The pod's speed scales its own prefill; the queue is already in its seconds.
-        x = (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5], raw[6])
-        parts = {name: w * v for name, w, v in zip(FEATURES, self.model.weights, x, strict=True)}
-        return TtftPrediction(
-            seconds=sum(parts.values()),
-            features=features,
-            factor=factor,
-            x=x,
-            parts=parts,
-            cached_tokens=cached,
-            uncached_tokens=uncached,
-        )
+            # The decode pod pulls what it does not hold already, and the first token
+            # comes from its first step, in its batch.
+            transfer = prompt - min(prompt, round(matched.get(decode, 0.0) * block))
+            decode_pod = pods.get(decode)
+            decode_waiting = self._waiting(decode, now)
+        transfer_part = w6 * (transfer / 1e3)
+        out: dict[Endpoint, TtftPrediction] = {}
+        for endpoint in endpoints:
+            cached = min(prompt, round(matched.get(endpoint, 0.0) * block))
+            uncached = prompt - cached
+            pod = pods.get(endpoint)
+            if pod is None:
+                queued, factor, in_flight, tokens, decoding_tokens = 0.0, 1.0, 0, 0, 0
+                decoding = 0
+            else:
+                ledger = pod.ledger
+                queued = ledger.backlog(now)
+                factor = pod.factor
+                decoding = ledger.decoding
+                in_flight = ledger.queued + decoding
+                tokens = pod.tokens_in_flight
+                decoding_tokens = pod.decoding_tokens
+            if decode is not None:
+                decoding = 0 if decode_pod is None else decode_pod.ledger.decoding
+            waiting = self._waiting(endpoint, now) + decode_waiting
+            # The terms in the model's order (FEATURES), summed in that order: the
+            # same seconds as `TtftPrediction.parts` adds up. The pod's speed
+            # scales its own prefill; the queue is already in its seconds.
+            queue = w1 * queued
+            prefill = w2 * (uncached / 1e3 * factor)
+            attention = w3 * (attention_pairs(uncached, cached) / 1e6 * factor)
+            seconds = (
+                w0 * 1.0
+                + queue
+                + prefill
+                + attention
+                + w4 * float(decoding)
+                + w5 * float(waiting)
+                + transfer_part
+            )
+            out[endpoint] = TtftPrediction(
+                seconds=seconds,
+                own_work_s=prefill + attention,
+                queue_s=queue,
+                weights=weights,
+                factor=factor,
+                queued_s=queued,
+                cached_tokens=cached,
+                uncached_tokens=uncached,
+                decoding=decoding,
+                waiting=waiting,
+                transfer_tokens=transfer,
+                requests_in_flight=in_flight,
+                tokens_in_flight=tokens,
+                decoding_tokens=decoding_tokens,
+            )
+        return out
 
     # -- extension points --------------------------------------------------------------
 

@@ -120,7 +120,6 @@ from epp.scheduling import CycleState, PluginContext, explain_note, explaining
 from .predicted_ttft_producer import (
     DEFAULT_PRODUCER,
     TtftPrediction,
-    TtftPredictions,
     predicted_ttft_key,
 )
 
@@ -153,12 +152,12 @@ def _charged_a_miss(
     pods: set[Endpoint],
     share: float,
     miss: float,
-    predictions: TtftPredictions,
+    predicted: Mapping[Endpoint, TtftPrediction],
 ) -> dict[Endpoint, float]:
     """`seconds` with each of `pods` charged `share` of what its hit saves: the work
     of a miss (the most any candidate would prefill) less its own."""
     return {
-        e: s + share * (miss - predictions.predict(e).own_work_s) if e in pods else s
+        e: s + share * (miss - predicted[e].own_work_s) if e in pods else s
         for e, s in seconds.items()
     }
 
@@ -209,13 +208,14 @@ class PredictedTtftScorer:
                     self.producer,
                 )
             return dict.fromkeys(endpoints, 1.0)
-        seconds = {e: max(_FLOOR_S, predictions.predict(e).seconds) for e in endpoints}
-        if not seconds:
+        predicted = predictions.predict_all(endpoints)
+        if not predicted:
             return {}
+        seconds = {e: max(_FLOOR_S, p.seconds) for e, p in predicted.items()}
         # Each pod's prefill queued ahead, and this request's own prefill where it
         # is least (its work on the pod holding most of it).
-        queued = {e: predictions.predict(e).parts["queued"] for e in endpoints}
-        works = [predictions.predict(e).own_work_s for e in endpoints]
+        queued = {e: p.queue_s for e, p in predicted.items()}
+        works = [p.own_work_s for p in predicted.values()]
         least_work = min(works)
         miss = max(works)  # the most any candidate would prefill: a miss's work
         share = min(predictions.continuing_share, _MAX_SHARE)
@@ -237,7 +237,7 @@ class PredictedTtftScorer:
             # geometrically), about this turn's own prefill for each request the pod
             # has in flight above the fleet's mean, and credited as much below it.
             turns = share / (1.0 - share)
-            loads = {e: predictions.requests_in_flight(e) for e in endpoints}
+            loads = {e: p.requests_in_flight for e, p in predicted.items()}
             mean = sum(loads.values()) / len(loads)
             charges = {e: turns * (loads[e] - mean) * least_work for e in endpoints}
             seconds = {e: max(_FLOOR_S, s + charges[e]) for e, s in seconds.items()}
@@ -257,19 +257,19 @@ class PredictedTtftScorer:
             best = min(seconds.values())
         # Crowded: more than `balanceFactor` times the fleet's mean tokens in flight.
         # Both the work weight and the tie rank count such a pod as holding nothing.
-        tokens = {e: predictions.tokens_in_flight(e) for e in endpoints}
+        tokens = {e: p.tokens_in_flight for e, p in predicted.items()}
         crowded = _above(tokens, self.balance_factor)
         if self.decode_balance_factor is not None:
             # Decode-heavy: the contexts this pod decodes are far above the fleet's
             # mean, so every stream there steps slowly; a hit there is charged as a
             # miss, so requests that chase it go where decoding is lighter (some pod
             # always is: none is above k > 1 times the mean of them all).
-            context = {e: predictions.decoding_tokens(e) for e in endpoints}
+            context = {e: p.decoding_tokens for e, p in predicted.items()}
             heavy = _above(context, self.decode_balance_factor)
             # In proportion to the pods with no prefill queued, as the queue weight:
             # when every pod queues, the fleet has no room for the prefill a miss adds.
             if heavy and idle > 0.0:
-                seconds = _charged_a_miss(seconds, heavy, idle, miss, predictions)
+                seconds = _charged_a_miss(seconds, heavy, idle, miss, predicted)
                 best = min(seconds.values())
                 crowded |= heavy
         if self.spread_factor is not None and not predictions.continues:
@@ -280,7 +280,7 @@ class PredictedTtftScorer:
             # is. A request that continues one stays with its history.
             swamped = _above(tokens, self.spread_factor)
             if swamped and idle > 0.0:
-                seconds = _charged_a_miss(seconds, swamped, idle, miss, predictions)
+                seconds = _charged_a_miss(seconds, swamped, idle, miss, predicted)
                 best = min(seconds.values())
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds
@@ -293,7 +293,7 @@ class PredictedTtftScorer:
             busy = sum(q > 0.0 for q in queued.values()) / len(queued)
             extra = (self.work_weight - 1.0) * busy
             seconds = {
-                e: s + extra * (miss if e in crowded else predictions.predict(e).own_work_s)
+                e: s + extra * (miss if e in crowded else predicted[e].own_work_s)
                 for e, s in seconds.items()
             }
             best = min(seconds.values())
@@ -303,11 +303,11 @@ class PredictedTtftScorer:
                 self.name,
                 {
                     e.name: {
-                        **predictions.predict(e).describe(),
+                        **predicted[e].describe(),
                         "continuingShare": round(predictions.continuing_share, 3),
                         "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
                         "sessionTie": session_tie,
-                        "decodingTokens": predictions.decoding_tokens(e),
+                        "decodingTokens": predicted[e].decoding_tokens,
                         "costMs": round(seconds[e] * 1e3, 3),
                     }
                     for e in endpoints
@@ -327,7 +327,7 @@ class PredictedTtftScorer:
         # fewest tokens in flight from this EPP (a prompt no pod holds spreads the
         # load it will bring); they score in (0.9, 1], the others below 0.9 in order
         # of prediction. Equal keys score equal: the picker draws among them.
-        wide = session_tie or all(_uncached_tenths(predictions.predict(e)) >= 5 for e in endpoints)
+        wide = session_tie or all(_uncached_tenths(p) >= 5 for p in predicted.values())
         width = tie_base * (self.new_prefix_tolerance if wide else self.tie_tolerance)
         if self.tie_max_s is not None:
             # A long prompt's tie, a share of a second or more, would let its rank
@@ -352,7 +352,7 @@ class PredictedTtftScorer:
             remembered = predictions.remembered_share(e)
             if remembered is not None:
                 return round(10 * (1.0 - remembered))
-            return _uncached_tenths(predictions.predict(e))
+            return _uncached_tenths(predicted[e])
 
         # The queue in tenths of this request's own prefill: a pod with half a prefill
         # queued delays this request by that much, whatever its tokens in flight

@@ -66,7 +66,7 @@ class PredictedTtftSloFilter:
         predictions = cycle.get(self.key)
         if objective is None or predictions is None or not endpoints:
             return endpoints
-        seconds = {e: predictions.predict(e).seconds for e in endpoints}
+        seconds = {e: p.seconds for e, p in predictions.predict_all(endpoints).items()}
         kept = [e for e in endpoints if seconds[e] <= objective]
         if kept:
             return kept

@@ -171,6 +171,58 @@ def test_work_sent_to_a_pod_queues_later_requests_until_it_is_done() -> None:
     assert fleet.producer.describe_endpoint(pod)["predictedTtft"]["decoding"] == 0
 
 
+def test_a_pick_predicts_every_candidate_in_one_pass_as_the_model_adds_up() -> None:
+    """`predict_all` (what the scorer and the SLO filter read) gives each pod the
+    prediction `predict` gives it alone, whose seconds are the model's terms on its
+    feature vector, with the load this EPP has on the pod, in a fleet where pods
+    differ in every input: queue, decoding batch, waiting requests, speed, prefix."""
+    fleet = Fleet()
+    queued, decoding, waiting, slow, fresh = pods = make_endpoints(5)
+    for _ in range(40):  # a fitted model, not the prior, and one pod slower
+        _observe(fleet, slow, 0.3, matched=50.0)
+        _observe(fleet, queued, 0.1)
+    first, first_cycle = fleet.route(decoding)
+    fleet.producer.response_first_chunk(first, first_cycle, routed(("default", decoding)), 0.05)
+    fleet.route(queued, {queued: 30.0})
+    waiting.metrics = EndpointMetrics(waiting_requests=3, updated_at=fleet.clock())
+    matched = {queued: 30.0, decoding: 80.0, slow: 50.0, fresh: 10.0}
+    _, together = fleet.cycle(matched)
+    _, alone = fleet.cycle(matched)
+    key = predicted_ttft_key("predicted-ttft-producer")
+    in_one_pass = together.get(key)
+    one_by_one = alone.get(key)
+    assert in_one_pass is not None
+    assert one_by_one is not None
+    predicted = in_one_pass.predict_all(pods)
+    assert list(predicted) == list(pods)
+    weights = fleet.producer.model.weights
+    for pod in pods:
+        batch, single = predicted[pod], one_by_one.predict(pod)
+        assert batch.describe() == single.describe()
+        assert batch.x == single.x
+        assert batch.seconds == single.seconds
+        assert batch.seconds == pytest.approx(
+            sum(w * v for w, v in zip(weights, batch.x, strict=True))
+        )
+        assert batch.own_work_s == pytest.approx(batch.parts["prefill"] + batch.parts["attention"])
+        assert batch.queue_s == batch.parts["queued"]
+        assert batch.requests_in_flight == fleet.producer.requests_in_flight(pod)
+        assert batch.tokens_in_flight == fleet.producer.tokens_in_flight(pod)
+        assert batch.decoding_tokens == fleet.producer.decoding_tokens(pod)
+        assert in_one_pass.predict(pod) is batch  # kept: a pick reads one instant
+    # Each input shows where it should.
+    assert predicted[queued].queue_s > 0.0
+    assert predicted[fresh].queue_s == 0.0
+    assert predicted[decoding].features.decoding == 1
+    assert predicted[decoding].decoding_tokens > 0
+    assert predicted[waiting].features.waiting == 3
+    assert predicted[fresh].features.waiting == 0
+    assert predicted[slow].factor > 1.0
+    assert predicted[fresh].factor == 1.0
+    assert predicted[decoding].cached_tokens == 3200
+    assert predicted[waiting].cached_tokens == 0
+
+
 def test_predictions_learn_the_pods_speed_from_observed_first_tokens() -> None:
     fleet = Fleet()
     (pod,) = make_endpoints(1)
