@@ -13,7 +13,8 @@ docs/routing.md):
   ingestion (the index and the engine-hash maps; tracemalloc and RSS);
 - (c) the picks of shipped configs side by side (`--configs`, default
   `weighted,default`: the weighted profile that was the default, and the
-  default), every hook of a routed request included.
+  default), every hook of a routed request included, on `--pods` endpoints or
+  on several fleet sizes taking turns (`--config-pods 1,16,64`).
 
 The pick is the director's `pick_endpoint` with the `precise-prefix-cache-scorer`
 (speculative indexing on) and `max-score-picker`, over 16 endpoints whose index is
@@ -436,30 +437,40 @@ async def measure_ingestion(batches: int) -> dict[str, Any]:
     return out
 
 
-async def measure_configs(names: list[str], pods: int, iterations: int) -> dict[str, Any]:
+async def measure_configs(
+    names: list[str], fleets: list[int], iterations: int
+) -> dict[int, dict[str, Any]]:
     """(c) The pick of shipped configs (manifests/config/NAME.yaml) side by side, with
     every hook a routed request runs (pre-request, first chunk, end): chat requests
     with one of 16 system prompts of 2,000 words and a new 200-word message, over
-    `pods` endpoints. The configs take turns request by request, so a busy host slows
-    them alike; the first 16 x 4 requests of each warm its prefix index."""
+    each fleet size in `fleets` (endpoints). Every config on every fleet picks each
+    request in turn, the order reversed every other request, so a host whose speed
+    moves (a shared machine's does, by half within minutes) slows them alike and
+    their differences, the cost of more candidates included, are measured at one
+    speed; the first 16 x 4 requests of each warm its prefix index. Returns, per
+    fleet size, each config's pick latencies."""
     rng = random.Random(3)
     systems = [" ".join(rng.choice(WORDS) for _ in range(2000)) for _ in range(16)]
     # The requests' model gets the local tokenizer, as `epp serve --tokenizer-dir`
     # gives it (the shipped precise profiles fetch each model's from the Hub).
     local = (("m", str(QWEN)),) if (QWEN / "tokenizer.json").is_file() else ()
-    directors = {}
-    for name in names:
-        datastore = Datastore()
-        datastore.replace_all(EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000") for i in range(pods))
-        text = (ROOT / "manifests" / "config" / f"{name}.yaml").read_text()
-        config = load_config(
-            text,
-            PluginRegistry.from_entry_points(),
-            datastore=datastore,
-            settings=ServerSettings(tokenizer_dirs=local),
-        )
-        directors[name] = Director(datastore, config, Telemetry(datastore))
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    directors: dict[tuple[int, str], Director] = {}
+    for pods in fleets:
+        for name in names:
+            datastore = Datastore()
+            datastore.replace_all(
+                EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000") for i in range(pods)
+            )
+            text = (ROOT / "manifests" / "config" / f"{name}.yaml").read_text()
+            config = load_config(
+                text,
+                PluginRegistry.from_entry_points(),
+                datastore=datastore,
+                settings=ServerSettings(tokenizer_dirs=local),
+            )
+            directors[pods, name] = Director(datastore, config, Telemetry(datastore))
+    samples: dict[tuple[int, str], list[float]] = {key: [] for key in directors}
+    turns = list(directors)
     warmup = 64
     for i in range(iterations + warmup):
         body = msgspec.json.encode(
@@ -471,9 +482,8 @@ async def measure_configs(names: list[str], pods: int, iterations: int) -> dict[
                 ],
             }
         )
-        order = names if i % 2 == 0 else list(reversed(names))
-        for name in order:
-            director = directors[name]
+        for key in turns if i % 2 == 0 else reversed(turns):
+            director = directors[key]
             request = parse_request(
                 request_id=str(i), method="POST", path="/v1/chat/completions", headers={}, body=body
             )
@@ -484,8 +494,21 @@ async def measure_configs(names: list[str], pods: int, iterations: int) -> dict[
             director.first_chunk(decision)
             director.finish(decision, ResponseInfo(completed=True))
             if i >= warmup:
-                samples[name].append(elapsed)
-    return {name: _percentiles(values) for name, values in samples.items()}
+                samples[key].append(elapsed)
+    return {pods: {name: _percentiles(samples[pods, name]) for name in names} for pods in fleets}
+
+
+def _fleet_sizes(text: str) -> list[int]:
+    """`--config-pods`: comma-separated fleet sizes, each at least 1."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected fleet sizes like 1,16,64, got {text!r}"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"fleet sizes must be 1 or more, got {text!r}")
+    return list(dict.fromkeys(sizes))
 
 
 def _rss_bytes() -> int:
@@ -579,6 +602,15 @@ def main(argv: list[str] | None = None) -> int:
         help="shipped configs whose picks (c) compares, comma-separated ('' to skip)",
     )
     parser.add_argument(
+        "--config-pods",
+        type=_fleet_sizes,
+        default=None,
+        metavar="N[,N...]",
+        help="fleet sizes (c) measures, every config on every size taking turns request by"
+        " request (their costs then compare at one host speed); the results go under"
+        " 'configs_by_pods'. Default: --pods alone, under 'configs'",
+    )
+    parser.add_argument(
         "--only-configs", action="store_true", help="measure (c) alone, not the precise parts"
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
@@ -602,8 +634,12 @@ def main(argv: list[str] | None = None) -> int:
         results["pick"] = asyncio.run(measure_pick(args.pods, args.iterations, args.warmup))
         results["ingestion"] = asyncio.run(measure_ingestion(args.ingest_batches))
         results["memory"] = measure_memory(args.memory_entries)
-    if configs:
-        results["configs"] = asyncio.run(measure_configs(configs, args.pods, args.iterations))
+    if configs and args.config_pods is not None:
+        measured = asyncio.run(measure_configs(configs, args.config_pods, args.iterations))
+        results["configs_by_pods"] = {str(pods): picks for pods, picks in measured.items()}
+    elif configs:
+        measured = asyncio.run(measure_configs(configs, [args.pods], args.iterations))
+        results["configs"] = measured[args.pods]
     results.update(provenance(command))
     text = json.dumps(results, indent=2)
     print(text)
