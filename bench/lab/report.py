@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench.lab.breakdown import report_lines as breakdown_report
+from bench.lab.run import PREDICTION_WARMUP
 from bench.lab.tenants import report_lines as tenants_report
 from bench.provenance import produced_by
 from bench.stats import pm
@@ -135,12 +136,7 @@ def report_markdown(document: dict[str, Any], plots: list[str]) -> str:
             " mean over seeds of each run's median and p90 of |predicted - observed| /"
             " observed, and its median of predicted / observed - 1):",
             "",
-            *[
-                f"- {name}: error p50 {pm(r, 'ttft_prediction_error_p50', '.1%')},"
-                f" p90 {pm(r, 'ttft_prediction_error_p90', '.1%')};"
-                f" bias p50 {pm(r, 'ttft_prediction_bias_p50', '+.1%')}"
-                for name, r in predicted.items()
-            ],
+            *[_prediction_line(name, r) for name, r in predicted.items()],
             "",
         ]
     lines += breakdown_report(document["policies"])
@@ -219,6 +215,26 @@ def plot_load(document: dict[str, Any], out: Path) -> str:
     fig.savefig(out / "load_per_pod.png", dpi=110)
     plt.close(fig)
     return "load_per_pod.png"
+
+
+def _prediction_line(name: str, result: dict[str, Any]) -> str:
+    """A predicting policy's errors: over whole runs, after warm-up, and by tenth of
+    each run (mean over seeds) where every run has them."""
+    line = (
+        f"- {name}: error p50 {pm(result, 'ttft_prediction_error_p50', '.1%')},"
+        f" p90 {pm(result, 'ttft_prediction_error_p90', '.1%')};"
+        f" bias p50 {pm(result, 'ttft_prediction_bias_p50', '+.1%')}"
+    )
+    if result.get("ttft_prediction_error_p50_warm") is not None:
+        line += (
+            f"; after each run's first {PREDICTION_WARMUP} predictions, error p50"
+            f" {pm(result, 'ttft_prediction_error_p50_warm', '.1%')}"
+        )
+    tenths = [run.get("ttft_prediction_error_p50_by_tenth") for run in result.get("runs", ())]
+    if tenths and all(t is not None for t in tenths):
+        means = [sum(t[i] for t in tenths) / len(tenths) for i in range(10)]
+        line += "; error p50 by tenth of the run: " + ", ".join(f"{m:.0%}" for m in means)
+    return line
 
 
 def plot_predictions(document: dict[str, Any], out: Path) -> str | None:

@@ -87,7 +87,12 @@ PREDICTION_KEYS = (
     "ttft_prediction_error_p50",
     "ttft_prediction_error_p90",
     "ttft_prediction_bias_p50",
+    "ttft_prediction_error_p50_warm",
 )
+# Observations a run's model is given to learn before its error counts as "after
+# warm-up": about the model's memory (`forgetting` 0.995 weighs an observation 200
+# later at e^-1), several times what it takes to override its prior.
+PREDICTION_WARMUP: Final = 200
 # Keys averaged over seeds, each with its `_ci95` beside it.
 MEAN_KEYS = (
     "hit_rate",
@@ -678,6 +683,9 @@ def run_once(
     result["ttfts_s"] = sorted(r.ttft_s for r in run.records if r.ok and r.ttft_s is not None)
     result["picks"] = run.picks
     result.update(prediction_error(router.ttft_predictions))
+    result["ttft_prediction_error_p50_by_tenth"] = prediction_error_by_tenth(
+        router.ttft_predictions
+    )
     result["ttft_predictions"] = router.ttft_predictions
     return result
 
@@ -712,19 +720,39 @@ def pd_summary(run: LabRun, pods: Sequence[LabPod]) -> dict[str, Any]:
     }
 
 
+def _relative_errors(pairs: Sequence[tuple[float, float]]) -> list[float]:
+    return [abs(p - o) / o for p, o in pairs if o > 0]
+
+
 def prediction_error(pairs: Sequence[tuple[float, float]]) -> dict[str, float | None]:
-    """How far a policy's TTFT predictions were from what it then observed: the
-    median and p90 of |predicted - observed| / observed, and the median of the
-    signed ratio predicted / observed - 1 (its bias); None without predictions."""
+    """How far a policy's TTFT predictions were from what it then observed, from
+    its (predicted, observed) pairs in the order observed: the median and p90 of
+    |predicted - observed| / observed, the median of the signed ratio predicted /
+    observed - 1 (its bias), and the median error after warm-up (the pairs after
+    the first `PREDICTION_WARMUP`; None for a run with no more). None without
+    predictions."""
     if not pairs:
         return dict.fromkeys(PREDICTION_KEYS)
-    absolute = [abs(p - o) / o for p, o in pairs if o > 0]
+    absolute = _relative_errors(pairs)
     signed = [p / o - 1.0 for p, o in pairs if o > 0]
+    warm = _relative_errors(pairs[PREDICTION_WARMUP:])
     return {
         "ttft_prediction_error_p50": percentile(absolute, 0.5),
         "ttft_prediction_error_p90": percentile(absolute, 0.9),
         "ttft_prediction_bias_p50": percentile(signed, 0.5),
+        "ttft_prediction_error_p50_warm": percentile(warm, 0.5) if warm else None,
     }
+
+
+def prediction_error_by_tenth(pairs: Sequence[tuple[float, float]]) -> list[float] | None:
+    """The median relative error of each tenth of a run's predictions, in the order
+    observed: where in a run the model errs (learning at the start, or a queue
+    building later). None with fewer than ten pairs."""
+    if len(pairs) < 10:
+        return None
+    tenths = [pairs[len(pairs) * i // 10 : len(pairs) * (i + 1) // 10] for i in range(10)]
+    medians = [percentile(_relative_errors(part), 0.5) for part in tenths]
+    return None if None in medians else [m for m in medians if m is not None]
 
 
 def over_seeds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

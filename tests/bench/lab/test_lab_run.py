@@ -13,7 +13,15 @@ from bench.__main__ import main
 from bench.lab import summary
 from bench.lab.cli import DELAY_FLAGS
 from bench.lab.epp import Delays
-from bench.lab.run import FleetSpec, LabOptions, restart_schedule, run_lab
+from bench.lab.run import (
+    PREDICTION_WARMUP,
+    FleetSpec,
+    LabOptions,
+    prediction_error,
+    prediction_error_by_tenth,
+    restart_schedule,
+    run_lab,
+)
 from bench.workloads import Words, WorkloadSpec, default_tokenizer_dir
 
 SMALL = {
@@ -226,14 +234,40 @@ def test_predictions_are_set_beside_what_the_epp_then_observed(
     errors = sorted(abs(p - o) / o for p, o in pairs)
     assert predicted["ttft_prediction_error_p50"] == pytest.approx((errors[15] + errors[16]) / 2)
     assert predicted["ttft_prediction_error_p90"] >= predicted["ttft_prediction_error_p50"]
+    # 32 predictions: none after warm-up, but a median for each tenth of the run.
+    assert predicted["ttft_prediction_error_p50_warm"] is None
+    tenths = run["ttft_prediction_error_p50_by_tenth"]
+    assert len(tenths) == 10
+    assert min(tenths) <= predicted["ttft_prediction_error_p50"] <= max(tenths)
     # Round-robin predicts nothing: no figures, no plot panel.
     assert document["policies"]["round-robin"]["ttft_prediction_error_p50"] is None
     assert document["policies"]["round-robin"]["runs"][0]["ttft_predictions"] == []
     assert (tmp_path / "p" / "ttft_predicted_vs_observed.png").stat().st_size > 1000
     report = (tmp_path / "p" / "report.md").read_text()
     assert "- predicted-ttft: error p50 " in report
+    assert "error p50 by tenth of the run: " in report
+    assert "after each run's first" not in report  # too short a run to have one
     assert "round-robin: error" not in report
     # results.json keeps the figures, not the pairs.
     saved = json.loads((tmp_path / "p" / "results.json").read_text())
     assert "ttft_predictions" not in saved["policies"]["predicted-ttft"]["runs"][0]
     assert saved["policies"]["predicted-ttft"]["ttft_prediction_error_p50"] is not None
+
+
+def test_the_error_after_warm_up_leaves_out_the_models_first_predictions() -> None:
+    # The first predictions twice the observed TTFT (a prior far off), the rest 10%
+    # above it, and the last tenth 50% below it (a queue the model missed).
+    n = 2 * PREDICTION_WARMUP
+    late = n - n // 10
+    pairs = [(0.2 if i < PREDICTION_WARMUP else 0.11 if i < late else 0.05, 0.1) for i in range(n)]
+    errors = prediction_error(pairs)
+    assert errors["ttft_prediction_error_p50"] == pytest.approx(0.75)  # between 0.5 and 1.0
+    assert errors["ttft_prediction_error_p50_warm"] == pytest.approx(0.1)
+    assert errors["ttft_prediction_bias_p50"] == pytest.approx(0.55)
+    tenths = prediction_error_by_tenth(pairs)
+    assert tenths is not None
+    assert tenths == pytest.approx([1.0] * 5 + [0.1] * 4 + [0.5])
+    assert prediction_error_by_tenth(pairs[:9]) is None
+    assert prediction_error_by_tenth([(0.1, 0.0)] * 20) is None  # nothing observed
+    assert prediction_error(pairs[:PREDICTION_WARMUP])["ttft_prediction_error_p50_warm"] is None
+    assert prediction_error([])["ttft_prediction_error_p50_warm"] is None
