@@ -59,6 +59,11 @@ the least the model's prefill weight may be, in milliseconds per 1,000 uncached
 tokens; on prompts all of one length the fit cannot tell that weight from the
 fixed cost and may take it to 0, after which the ledger charges no prefill and
 every queue reads empty (docs/routing.md, The prefill weight's floor).
+`countOverdue` (false; the lab profile predicted-ttft-overdue sets it): add to
+the prediction, at a weight the model fits, the requests this EPP has queued on
+the pod whose first token was due and has not come: a pod fallen behind (a full
+KV cache) reads an empty queue otherwise (docs/routing.md, Predictions in
+overload).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
@@ -142,6 +147,7 @@ class TtftPrediction:
         "decoding",
         "decoding_tokens",
         "factor",
+        "overdue",
         "own_work_s",
         "queue_s",
         "queued_s",
@@ -171,6 +177,7 @@ class TtftPrediction:
         requests_in_flight: int = 0,
         tokens_in_flight: int = 0,
         decoding_tokens: int = 0,
+        overdue: int = 0,
     ) -> None:
         self.seconds = seconds
         # The request's own prefill on the pod (the model's prefill and attention
@@ -191,6 +198,7 @@ class TtftPrediction:
         self.requests_in_flight = requests_in_flight
         self.tokens_in_flight = tokens_in_flight
         self.decoding_tokens = decoding_tokens
+        self.overdue = overdue
 
     @property
     def features(self) -> TtftFeatures:
@@ -201,6 +209,7 @@ class TtftPrediction:
             self.decoding,
             self.waiting,
             self.transfer_tokens,
+            self.overdue,
         )
 
     @property
@@ -209,7 +218,7 @@ class TtftPrediction:
         queue is already in its seconds)."""
         raw = self.features.vector()
         factor = self.factor
-        return (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5], raw[6])
+        return (raw[0], raw[1], raw[2] * factor, raw[3] * factor, raw[4], raw[5], raw[6], raw[7])
 
     @property
     def parts(self) -> dict[str, float]:
@@ -363,6 +372,7 @@ class PredictedTtftProducer:
         initial_continuing_share: Annotated[float, msgspec.Meta(ge=0.0, le=0.95)] = SHARE_PRIOR
         waiting_beyond_own: bool = False
         min_prefill_weight_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1000.0)] = 0.0
+        count_overdue: bool = False
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -376,6 +386,7 @@ class PredictedTtftProducer:
         lower[_PREFILL] = params.min_prefill_weight_ms / 1e3
         self.model = OnlineTtftModel(forgetting=params.forgetting, lower=lower)
         self.waiting_beyond_own = params.waiting_beyond_own
+        self.count_overdue = params.count_overdue
         self.adapt = params.pod_adapt_rate
         self._pods: dict[Endpoint, _Pod] = {}
         self._charge: StateKey[_Charge] = StateKey(f"predicted-ttft-charge/{context.name}")
@@ -515,7 +526,7 @@ class PredictedTtftProducer:
         else:
             prompt, block, matched = info.prompt_tokens(), info.block_size_tokens, info.matched
         now = self.clock()
-        w0, w1, w2, w3, w4, w5, w6 = weights = tuple(self.model.weights)
+        w0, w1, w2, w3, w4, w5, w6, w7 = weights = tuple(self.model.weights)
         pods = self._pods
         transfer = 0
         decode_pod = None
@@ -532,6 +543,7 @@ class PredictedTtftProducer:
             cached = min(prompt, round(matched.get(endpoint, 0.0) * block))
             uncached = prompt - cached
             pod = pods.get(endpoint)
+            overdue = 0
             if pod is None:
                 queued, factor, in_flight, tokens, decoding_tokens = 0.0, 1.0, 0, 0, 0
                 decoding = 0
@@ -543,6 +555,8 @@ class PredictedTtftProducer:
                 in_flight = ledger.queued + decoding
                 tokens = pod.tokens_in_flight
                 decoding_tokens = pod.decoding_tokens
+                if self.count_overdue:
+                    overdue = ledger.overdue(now)
             if decode is not None:
                 decoding = 0 if decode_pod is None else decode_pod.ledger.decoding
             waiting = self._waiting(endpoint, now) + decode_waiting
@@ -560,6 +574,7 @@ class PredictedTtftProducer:
                 + w4 * float(decoding)
                 + w5 * float(waiting)
                 + transfer_part
+                + w7 * float(overdue)
             )
             out[endpoint] = TtftPrediction(
                 seconds=seconds,
@@ -576,6 +591,7 @@ class PredictedTtftProducer:
                 requests_in_flight=in_flight,
                 tokens_in_flight=tokens,
                 decoding_tokens=decoding_tokens,
+                overdue=overdue,
             )
         return out
 
@@ -730,7 +746,7 @@ class _WeightsCollector(Collector):
             "The predicted-TTFT model's fitted weights (seconds per unit of each feature:"
             " fixed, queued seconds, thousands of uncached tokens, millions of attention"
             " pairs, decoding requests, waiting requests, thousands of tokens of KV cache"
-            " transferred).",
+            " transferred, overdue requests).",
             labels=["plugin", "feature"],
         )
         resets = CounterMetricFamily(

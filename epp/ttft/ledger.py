@@ -100,6 +100,11 @@ class PodLedger:
         self._backlog_s += work_s
         self._queued[key] = _Queued(work_s, now, now + self._backlog_s if due is None else due)
 
+    def overdue(self, now: float) -> int:
+        """Requests queued here whose first token was due before `now`: the pod
+        is behind what was predicted (O(queued))."""
+        return sum(1 for entry in self._queued.values() if entry.due < now)
+
     def expected_at(self, t: float) -> int:
         """Requests this EPP expected to be queued at instant `t` (in the past or
         now): charged at or before it, started or released after it, and due after

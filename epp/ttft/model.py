@@ -1,7 +1,7 @@
 """A linear model of time to first token, fitted online from what the EPP observes.
 
     ttft = w . x        x = (1, queued_s, prefill_ktokens, attention_mpairs, decoding, waiting,
-                             transfer_ktokens)
+                             transfer_ktokens, overdue)
 
 - `queued_s`: the predicted prefill work ahead of the request on the pod, in
   seconds (the ledger's backlog, `epp.ttft.ledger`);
@@ -22,7 +22,14 @@
   then describe the prefill pod (its queue, its uncached tokens) and the decode
   pod's batch (`decoding`, the first decode step joins it). A request served
   whole never informs this weight, and its fit is unchanged by it (a feature that
-  is always 0 leaves the other weights' updates exactly as they were).
+  is always 0 leaves the other weights' updates exactly as they were);
+- `overdue`: requests this EPP sent to the pod that have not produced their
+  first token although the time predicted for it has passed. The ledger's
+  backlog drains at one second per second and so reads empty when a pod falls
+  behind (its KV cache full of long prompts, a batch that frees blocks only as
+  requests finish); these requests say by how much it is behind. Counted only
+  where the producer is asked to (`countOverdue`), 0 otherwise, which leaves
+  every other weight's fit exactly as without the feature.
 
 The weights are fitted by recursive least squares with exponential forgetting
 (each observation's weight decays by `forgetting` per later observation, so the
@@ -80,6 +87,7 @@ FEATURES: Final = (
     "decoding",
     "waiting",
     "transfer",
+    "overdue",
 )
 
 # Prior weights: 20 ms fixed (HTTP, scheduling, one step), the backlog counted
@@ -87,12 +95,12 @@ FEATURES: Final = (
 # million attention pairs, 1 ms per decoding request, 50 ms per waiting request,
 # 5 ms per 1,000 tokens of KV cache moved between pods (a mid-sized model's
 # ~128 KiB per token over ~25 GB/s).
-PRIOR_WEIGHTS: Final = (0.02, 1.0, 0.03, 0.001, 0.001, 0.05, 0.005)
+PRIOR_WEIGHTS: Final = (0.02, 1.0, 0.03, 0.001, 0.001, 0.05, 0.005, 0.05)
 # How far the prior may be from the truth (variance of each weight), and the
 # typical error of one observation (seconds): least squares weighs the prior
 # against observations by the ratio of the two, so with these a dozen
 # observations outweigh the prior.
-PRIOR_VARIANCE: Final = (1e-2, 1.0, 1e-2, 1e-4, 1e-4, 1e-2, 1e-4)
+PRIOR_VARIANCE: Final = (1e-2, 1.0, 1e-2, 1e-4, 1e-4, 1e-2, 1e-4, 1e-2)
 OBSERVATION_ERROR_S: Final = 0.01
 
 
@@ -106,6 +114,7 @@ class TtftFeatures:
     decoding: int
     waiting: int = 0
     transfer_tokens: float = 0.0  # KV cache pulled from a prefill pod (disaggregated)
+    overdue: int = 0  # queued requests past their predicted first token
 
     def vector(self) -> tuple[float, ...]:
         return (
@@ -116,6 +125,7 @@ class TtftFeatures:
             float(self.decoding),
             float(self.waiting),
             self.transfer_tokens / 1e3,
+            float(self.overdue),
         )
 
 

@@ -888,3 +888,25 @@ def test_with_waiting_beyond_own_a_pods_waiting_requests_count_beyond_this_epps_
     stale = later.get(predicted_ttft_key("predicted-ttft-producer"))
     assert stale is not None
     assert stale.predict(other).features.waiting == 0
+
+
+def test_count_overdue_adds_the_requests_a_pod_is_late_with() -> None:
+    """With `countOverdue`, a pod holding a request whose first token is overdue is
+    predicted slower than its drained queue says; without it, the feature is 0."""
+    predicted = {}
+    for count in (False, True):
+        fleet = Fleet(countOverdue=count)
+        late, idle = make_endpoints(2)
+        fleet.route(late)  # 4,000 tokens: a first token predicted within a second
+        fleet.clock.advance(5.0)  # ... and still none: the queue has drained in the ledger
+        _, cycle = fleet.cycle({})
+        predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+        assert predictions is not None
+        both = predictions.predict_all([late, idle])
+        assert both[late].queue_s == 0.0
+        predicted[count] = (both[late].features.overdue, both[late].seconds - both[idle].seconds)
+    assert predicted[False] == (0, 0.0)
+    overdue, slower = predicted[True]
+    assert overdue == 1
+    assert slower == pytest.approx(fleet.producer.model.describe()["overdue"])
+    assert slower > 0.0

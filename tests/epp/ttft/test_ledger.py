@@ -118,3 +118,17 @@ def test_without_a_horizon_no_departure_is_kept() -> None:
     ledger.charge("queued", 0.1, now=0.0, due=10.0)
     ledger.started("gone", now=0.5)
     assert ledger.expected_at(0.2) == 1
+
+
+def test_overdue_counts_the_queued_requests_past_their_predicted_first_token() -> None:
+    ledger = PodLedger()
+    ledger.charge("a", 0.1, now=0.0, due=0.2)
+    ledger.charge("b", 0.1, now=0.0, due=0.5)
+    ledger.charge("c", 0.1, now=0.0)  # due when the backlog, its own work with it, is done
+    assert ledger.overdue(0.1) == 0
+    assert ledger.overdue(0.35) == 2  # a and c (due at 0.3); the backlog reads 0 by then
+    assert ledger.backlog(0.35) == 0.0
+    ledger.started("a", 0.4)
+    assert ledger.overdue(0.6) == 2  # b and c; a left the queue
+    ledger.release("b", was_decoding=False, now=0.6)
+    assert ledger.overdue(0.6) == 1
