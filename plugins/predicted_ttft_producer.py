@@ -302,21 +302,9 @@ class TtftPredictions:
         self._cache: dict[Endpoint, TtftPrediction] = {}
         self._pairs: dict[tuple[Endpoint, Endpoint], TtftPrediction] = {}
 
-    def requests_in_flight(self, endpoint: Endpoint) -> int:
-        """Requests this EPP has on `endpoint`: queued for prefill or decoding."""
-        return self._producer.requests_in_flight(endpoint)
-
-    def tokens_in_flight(self, endpoint: Endpoint) -> int:
-        """Uncached prompt tokens of the requests this EPP has on `endpoint`."""
-        return self._producer.tokens_in_flight(endpoint)
-
     def decoding(self, endpoint: Endpoint) -> int:
         """Requests this EPP has on `endpoint` past their first token."""
         return self._producer.decoding(endpoint)
-
-    def decoding_tokens(self, endpoint: Endpoint) -> int:
-        """Prompt tokens of the requests this EPP has decoding on `endpoint`."""
-        return self._producer.decoding_tokens(endpoint)
 
     def remembered_share(self, endpoint: Endpoint) -> float | None:
         """The share of the prompt's blocks `endpoint` was ever sent and its prefix

@@ -676,8 +676,8 @@ def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
     _, cycle = fleet.cycle({a: 95.0})
     predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
     assert predictions is not None
-    mean = (predictions.tokens_in_flight(a) + predictions.tokens_in_flight(b)) / 2
-    assert (predictions.tokens_in_flight(a) > 1.5 * mean) is a_crowded
+    mean = (fleet.producer.tokens_in_flight(a) + fleet.producer.tokens_in_flight(b)) / 2
+    assert (fleet.producer.tokens_in_flight(a) > 1.5 * mean) is a_crowded
     assert fleet.seconds(cycle, b) * 1.25 + 0.001 < fleet.seconds(cycle, a)
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
     assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
@@ -803,8 +803,8 @@ def test_the_spread_factor_charges_a_crowded_pods_hit_to_a_request_that_starts_s
     asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
     predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
     assert predictions is not None
-    mean = sum(predictions.tokens_in_flight(e) for e in (a, b, c)) / 3
-    assert 2.0 * mean < predictions.tokens_in_flight(a) < 4.0 * mean
+    mean = sum(fleet.producer.tokens_in_flight(e) for e in (a, b, c)) / 3
+    assert 2.0 * mean < fleet.producer.tokens_in_flight(a) < 4.0 * mean
     assert fleet.seconds(cycle, a) * 1.25 < fleet.seconds(cycle, b)  # a's hit: no tie
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
     assert scores[[a, b][winner]] == 1.0 == max(scores.values())
