@@ -83,6 +83,15 @@ the share of candidates with no prefill queued, as a decode-heavy pod is. A hot
 prompt's holders otherwise keep its requests while pods idle, and a cold start's
 first turns gather where the system prompt is; the turns that follow stay where
 their history is, charged nothing (docs/routing.md, Spreading what starts).
+Such a pod also ranks in a tie as holding nothing, as a crowded one.
+
+`spreadByPodRequests` (false): the spread compares the requests each pod reports
+running and waiting (its latest fresh scrape, plus what this EPP sent it since)
+instead of this EPP's own tokens in flight. Behind several EPP replicas each sees
+only its share of the requests, a pod or two of them more than the mean is
+already twice it, and new prompts leave the pods holding them; the pods' own
+counts include every replica's (docs/routing.md, Where precise must beat
+approximate). A pod whose scrape is stale counts this EPP's own requests.
 
 `tieMaxMs` (none: off; the default profile sets 250): no tie
 is wider than that many milliseconds. A tie is a share of the best prediction, so
@@ -113,7 +122,7 @@ from typing import Annotated
 
 import msgspec
 
-from epp.datastore import Endpoint
+from epp.datastore import RUNNING, WAITING, Endpoint
 from epp.requests import InferenceRequest
 from epp.scheduling import CycleState, PluginContext, explain_note, explaining
 
@@ -175,6 +184,7 @@ class PredictedTtftScorer:
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         new_prefix_tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+        spread_by_pod_requests: bool = False
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -188,11 +198,27 @@ class PredictedTtftScorer:
         self.work_weight = params.work_weight
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
+        self.spread_by_pod_requests = params.spread_by_pod_requests
+        self.clock = context.clock
         self.tie_max_s = None if params.tie_max_ms is None else params.tie_max_ms / 1e3
         self.new_prefix_tie_max_s = (
             None if params.new_prefix_tie_max_ms is None else params.new_prefix_tie_max_ms / 1e3
         )
         self._warned = False
+
+    def _pod_requests(self, predicted: Mapping[Endpoint, TtftPrediction]) -> dict[Endpoint, int]:
+        """Each pod's requests in flight from every client: what it reported running
+        and waiting at its latest fresh scrape, plus what this EPP sent it since
+        (`Endpoint.unseen_routed`); this EPP's own where the scrape is stale."""
+        now = self.clock()
+        out: dict[Endpoint, int] = {}
+        for e, p in predicted.items():
+            m = e.metrics
+            if m.known(RUNNING, now) and m.known(WAITING, now):
+                out[e] = m.running_requests + m.waiting_requests + e.unseen_routed
+            else:
+                out[e] = p.requests_in_flight
+        return out
 
     def score(
         self, request: InferenceRequest, cycle: CycleState, endpoints: Sequence[Endpoint]
@@ -278,10 +304,16 @@ class PredictedTtftScorer:
             # goes, so while pods idle, a pod far above the fleet's mean tokens in
             # flight is charged the work of a miss for its hit, as a decode-heavy pod
             # is. A request that continues one stays with its history.
-            swamped = _above(tokens, self.spread_factor)
+            swamped = _above(
+                self._pod_requests(predicted) if self.spread_by_pod_requests else tokens,
+                self.spread_factor,
+            )
             if swamped and idle > 0.0:
                 seconds = _charged_a_miss(seconds, swamped, idle, miss, predicted)
                 best = min(seconds.values())
+                # And the tie rule counts it as holding nothing, as a crowded pod
+                # (with the tokens in flight and the default factors it is one already).
+                crowded |= swamped
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds
             # delays the requests that queue behind it there, so on a busy fleet

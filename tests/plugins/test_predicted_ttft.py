@@ -814,6 +814,40 @@ def test_the_spread_factor_charges_a_crowded_pods_hit_to_a_request_that_starts_s
     _assert_charged_a_miss(explained, b, 0.0)
 
 
+@pytest.mark.parametrize(
+    ("by_pod", "fresh", "winner"),
+    [
+        (False, True, 0),  # this EPP's own tokens: none in flight anywhere, a's hit wins
+        (True, True, 1),  # a reports eight requests (another replica's): crowded
+        (True, False, 0),  # a stale scrape counts this EPP's own requests: none
+    ],
+)
+def test_spread_by_pod_requests_counts_what_every_replica_sent(
+    by_pod: bool, fresh: bool, winner: int
+) -> None:
+    """a holds 95 of the prompt's 100 blocks and reports eight requests running, b
+    and c hold nothing and report none and one; this EPP sent none of them. With
+    `spreadByPodRequests` the spread reads the pods' own counts (every client's
+    requests), so a prompt starting over a shared prefix leaves a pod that other
+    replicas crowd, which this EPP's tokens in flight cannot see."""
+    fleet = Fleet(
+        scorer=PredictedTtftScorer.Parameters(spread_factor=2.0, spread_by_pod_requests=by_pod)
+    )
+    a, b, c = make_endpoints(3)
+    for pod, running in ((a, 8), (b, 0), (c, 1)):
+        pod.metrics = EndpointMetrics(running_requests=running, updated_at=fleet.clock())
+    if not fresh:
+        fleet.clock.advance(a.metrics.staleness_s + 1.0)
+    cycle = CycleState()
+    info = PrefixMatchInfo(100, 40, {a: 95.0}, continues=False)
+    cycle.put(prefix_match_key("approx-prefix-cache-producer"), info)
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    assert scores[[a, b][winner]] == 1.0 == max(scores.values())
+    explained = _explained(cycle, (a, b, c))
+    _assert_charged_a_miss(explained, a, 1.0 if winner == 1 else 0.0)
+
+
 def test_a_spread_factor_of_one_or_less_is_refused() -> None:
     with pytest.raises(InvalidConfig, match="spreadFactor"):
         load(one_plugin_config("predicted-ttft-scorer", {"spreadFactor": 1.0}))
