@@ -298,7 +298,7 @@ class PredictedTtftScorer:
                 seconds = _charged_a_miss(seconds, heavy, idle, miss, predicted)
                 best = min(seconds.values())
                 crowded |= heavy
-        if self.spread_factor is not None and not predictions.continues:
+        if self.spread_factor is not None and not predictions.continues and idle > 0.0:
             # A request that starts something (a new question over a shared prompt, a
             # conversation's first turn): the requests like it that follow go where it
             # goes, so while pods idle, a pod far above the fleet's mean tokens in
@@ -308,7 +308,7 @@ class PredictedTtftScorer:
                 self._pod_requests(predicted) if self.spread_by_pod_requests else tokens,
                 self.spread_factor,
             )
-            if swamped and idle > 0.0:
+            if swamped:
                 seconds = _charged_a_miss(seconds, swamped, idle, miss, predicted)
                 best = min(seconds.values())
                 # And the tie rule counts it as holding nothing, as a crowded pod

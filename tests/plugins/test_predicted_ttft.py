@@ -815,18 +815,26 @@ def test_the_spread_factor_charges_a_crowded_pods_hit_to_a_request_that_starts_s
 
 
 @pytest.mark.parametrize(
-    ("by_pod", "fresh", "winner"),
+    ("by_pod", "fresh", "a_running", "a_unseen", "winner"),
     [
-        (False, True, 0),  # this EPP's own tokens: none in flight anywhere, a's hit wins
-        (True, True, 1),  # a reports eight requests (another replica's): crowded
-        (True, False, 0),  # a stale scrape counts this EPP's own requests: none
+        # this EPP's own tokens: none in flight anywhere, a's hit wins
+        (False, True, 8, 0, 0),
+        # a reports eight requests (another replica's): crowded
+        (True, True, 8, 0, 1),
+        # a reports two, and this EPP has sent it six since that scrape: crowded
+        (True, True, 2, 6, 1),
+        # a reports two and nothing was sent since: not above twice the mean
+        (True, True, 2, 0, 0),
+        # a stale scrape counts this EPP's own requests: none
+        (True, False, 8, 0, 0),
     ],
 )
 def test_spread_by_pod_requests_counts_what_every_replica_sent(
-    by_pod: bool, fresh: bool, winner: int
+    by_pod: bool, fresh: bool, a_running: int, a_unseen: int, winner: int
 ) -> None:
-    """a holds 95 of the prompt's 100 blocks and reports eight requests running, b
-    and c hold nothing and report none and one; this EPP sent none of them. With
+    """a holds 95 of the prompt's 100 blocks and reports `a_running` requests
+    running (with `a_unseen` more sent by this EPP since that scrape), b and c hold
+    nothing and report none and one; this EPP has none of them in flight. With
     `spreadByPodRequests` the spread reads the pods' own counts (every client's
     requests), so a prompt starting over a shared prefix leaves a pod that other
     replicas crowd, which this EPP's tokens in flight cannot see."""
@@ -834,8 +842,9 @@ def test_spread_by_pod_requests_counts_what_every_replica_sent(
         scorer=PredictedTtftScorer.Parameters(spread_factor=2.0, spread_by_pod_requests=by_pod)
     )
     a, b, c = make_endpoints(3)
-    for pod, running in ((a, 8), (b, 0), (c, 1)):
+    for pod, running in ((a, a_running), (b, 0), (c, 1)):
         pod.metrics = EndpointMetrics(running_requests=running, updated_at=fleet.clock())
+    a.routed = a_unseen  # the scrape saw routed_seen = 0
     if not fresh:
         fleet.clock.advance(a.metrics.staleness_s + 1.0)
     cycle = CycleState()
