@@ -85,13 +85,14 @@ first turns gather where the system prompt is; the turns that follow stay where
 their history is, charged nothing (docs/routing.md, Spreading what starts).
 Such a pod also ranks in a tie as holding nothing, as a crowded one.
 
-`spreadByPodRequests` (false): the spread compares the requests each pod reports
-running and waiting (its latest fresh scrape, plus what this EPP sent it since)
-instead of this EPP's own tokens in flight. Behind several EPP replicas each sees
-only its share of the requests, a pod or two of them more than the mean is
-already twice it, and new prompts leave the pods holding them; the pods' own
-counts include every replica's (docs/routing.md, Where precise must beat
-approximate). A pod whose scrape is stale counts this EPP's own requests.
+`spreadByPodRequests` (false; the default profile sets it): the spread compares
+the requests each pod reports running and waiting (its latest fresh scrape, plus
+what this EPP sent it since) instead of this EPP's own tokens in flight. Behind
+several EPP replicas each sees only its share of the requests, a pod or two of
+them more than the mean is already twice it, and new prompts leave the pods
+holding them; the pods' own counts include every replica's (docs/routing.md,
+Where precise must beat approximate). A pod whose scrape is stale counts this
+EPP's own requests.
 
 `tieMaxMs` (none: off; the default profile sets 250): no tie
 is wider than that many milliseconds. A tie is a share of the best prediction, so

@@ -86,6 +86,7 @@ plugins:
   parameters:
     decodeBalanceFactor: 3
     spreadFactor: 2
+    spreadByPodRequests: true
     tieMaxMs: 250
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
