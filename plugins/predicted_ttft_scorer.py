@@ -92,7 +92,8 @@ several EPP replicas each sees only its share of the requests, a pod or two of
 them more than the mean is already twice it, and new prompts leave the pods
 holding them; the pods' own counts include every replica's (docs/routing.md,
 Where precise must beat approximate). A pod whose scrape is stale counts this
-EPP's own requests.
+EPP's own requests there, times the requests the fresh pods report for each of
+this EPP's own on them (the other replicas' share).
 
 `tieMaxMs` (none: off; the default profile sets 250): no tie
 is wider than that many milliseconds. A tie is a share of the best prediction, so
@@ -210,15 +211,25 @@ class PredictedTtftScorer:
     def _pod_requests(self, predicted: Mapping[Endpoint, TtftPrediction]) -> dict[Endpoint, int]:
         """Each pod's requests in flight from every client: what it reported running
         and waiting at its latest fresh scrape, plus what this EPP sent it since
-        (`Endpoint.unseen_routed`); this EPP's own where the scrape is stale."""
+        (`Endpoint.unseen_routed`). Where the scrape is stale, this EPP's own
+        requests there times the fresh pods' count for each of this EPP's own:
+        behind several replicas this EPP sends a share of every pod's requests, and
+        its own count alone would make the stale pod read lighter than the rest."""
         now = self.clock()
         out: dict[Endpoint, int] = {}
+        stale: list[Endpoint] = []
+        reported = own = 0
         for e, p in predicted.items():
             m = e.metrics
             if m.known(RUNNING, now) and m.known(WAITING, now):
                 out[e] = m.running_requests + m.waiting_requests + e.unseen_routed
+                reported += out[e]
+                own += p.requests_in_flight
             else:
-                out[e] = p.requests_in_flight
+                stale.append(e)
+        ratio = max(1.0, reported / own) if own > 0 else 1.0
+        for e in stale:
+            out[e] = round(predicted[e].requests_in_flight * ratio)
         return out
 
     def score(

@@ -857,6 +857,40 @@ def test_spread_by_pod_requests_counts_what_every_replica_sent(
     _assert_charged_a_miss(explained, a, 1.0 if winner == 1 else 0.0)
 
 
+@pytest.mark.parametrize("a_fresh", [False, True])
+def test_spread_by_pod_requests_scales_a_stale_pods_own_requests_by_the_fleets_ratio(
+    a_fresh: bool,
+) -> None:
+    """This EPP has four requests on a and one decoding on b; b reports two running
+    (another replica sent the other), c none. a's scrape is stale: the fresh pods
+    report two requests for each of this EPP's, so a counts eight, more than twice
+    the mean ((8 + 2 + 0) / 3), and its hit is charged a miss in proportion to the
+    pods with no queue (b and c). Counted as this EPP's own four, a would sit at
+    exactly twice the mean, not above it, as it does when a's fresh scrape says
+    four: then no other replica has sent it anything."""
+    fleet = Fleet(
+        scorer=PredictedTtftScorer.Parameters(spread_factor=2.0, spread_by_pod_requests=True),
+        initialContinuingShare=0.0,
+    )
+    a, b, c = make_endpoints(3)
+    a.metrics = EndpointMetrics(running_requests=4, updated_at=fleet.clock())
+    if not a_fresh:
+        fleet.clock.advance(a.metrics.staleness_s + 1.0)
+    for _ in range(4):
+        fleet.route(a)
+    req, started = fleet.route(b)
+    fleet.producer.response_first_chunk(req, started, routed(("default", b)), 0.01)
+    b.metrics = EndpointMetrics(running_requests=2, updated_at=fleet.clock())
+    c.metrics = EndpointMetrics(updated_at=fleet.clock())
+    cycle = CycleState()
+    info = PrefixMatchInfo(100, 40, {a: 95.0}, continues=False)
+    cycle.put(prefix_match_key("approx-prefix-cache-producer"), info)
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    explained = _explained(cycle, (a, b, c))
+    _assert_charged_a_miss(explained, a, 0.0 if a_fresh else 2 / 3)
+
+
 def test_a_spread_factor_of_one_or_less_is_refused() -> None:
     with pytest.raises(InvalidConfig, match="spreadFactor"):
         load(one_plugin_config("predicted-ttft-scorer", {"spreadFactor": 1.0}))
