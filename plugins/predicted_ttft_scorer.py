@@ -221,7 +221,9 @@ class PredictedTtftScorer:
         reported = own = 0
         for e, p in predicted.items():
             m = e.metrics
-            if m.known(RUNNING, now) and m.known(WAITING, now):
+            # `known` for both facts, the snapshot's age read once: this runs for
+            # every candidate of a pick.
+            if not m.stale(now) and RUNNING not in m.missing and WAITING not in m.missing:
                 out[e] = m.running_requests + m.waiting_requests + e.unseen_routed
                 reported += out[e]
                 own += p.requests_in_flight
