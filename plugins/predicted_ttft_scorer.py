@@ -344,21 +344,22 @@ class PredictedTtftScorer:
             }
             best = min(seconds.values())
         if explaining(cycle):
-            explain_note(
-                cycle,
-                self.name,
-                {
-                    e.name: {
-                        **predicted[e].describe(),
-                        "continuingShare": round(predictions.continuing_share, 3),
-                        "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
-                        "sessionTie": session_tie,
-                        "decodingTokens": predicted[e].decoding_tokens,
-                        "costMs": round(seconds[e] * 1e3, 3),
-                    }
-                    for e in endpoints
-                },
-            )
+            notes: dict[str, dict[str, object]] = {
+                e.name: {
+                    **predicted[e].describe(),
+                    "continuingShare": round(predictions.continuing_share, 3),
+                    "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
+                    "sessionTie": session_tie,
+                    "decodingTokens": predicted[e].decoding_tokens,
+                    "costMs": round(seconds[e] * 1e3, 3),
+                }
+                for e in endpoints
+            }
+            if self.spread_by_pod_requests:
+                # What the spread compares, whether or not it applied to this pick.
+                for e, n in self._pod_requests(predicted).items():
+                    notes[e.name]["podRequests"] = n
+            explain_note(cycle, self.name, notes)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: lowest cost (predicted TTFT) %.1f ms of %d candidates",

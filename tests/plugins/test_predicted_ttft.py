@@ -855,6 +855,14 @@ def test_spread_by_pod_requests_counts_what_every_replica_sent(
     assert scores[[a, b][winner]] == 1.0 == max(scores.values())
     explained = _explained(cycle, (a, b, c))
     _assert_charged_a_miss(explained, a, 1.0 if winner == 1 else 0.0)
+    # /debug/explain shows what the spread compared.
+    counts = [explained[e].get("podRequests") for e in (a, b, c)]
+    if not by_pod:
+        assert counts == [None, None, None]
+    elif fresh:
+        assert counts == [a_running + a_unseen, 0, 1]
+    else:
+        assert counts == [0, 0, 0]  # stale, and this EPP has nothing in flight there
 
 
 @pytest.mark.parametrize("a_fresh", [False, True])
@@ -889,6 +897,7 @@ def test_spread_by_pod_requests_scales_a_stale_pods_own_requests_by_the_fleets_r
     fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
     explained = _explained(cycle, (a, b, c))
     _assert_charged_a_miss(explained, a, 0.0 if a_fresh else 2 / 3)
+    assert [explained[e]["podRequests"] for e in (a, b, c)] == [4 if a_fresh else 8, 2, 0]
 
 
 def test_a_spread_factor_of_one_or_less_is_refused() -> None:
