@@ -96,6 +96,11 @@ class EndpointMetrics:
         page reported it with a valid value."""
         return fact not in self.missing and not self.stale(now)
 
+    def all_known(self, facts: Iterable[str], now: float) -> bool:
+        """`known` for each of `facts`, the snapshot's age read once (a scorer reads
+        several facts of every candidate in a pick)."""
+        return self.missing.keys().isdisjoint(facts) and not self.stale(now)
+
 
 class Endpoint:
     """One model-server endpoint. Compared and hashed by identity: a scorer's result

@@ -142,6 +142,8 @@ _TIE_FLOOR_S = 1e-3
 # Turns to come are counted up to 19 (a share of 0.95): one stray estimate cannot
 # make load all that matters.
 _MAX_SHARE = 0.95
+# The facts `spreadByPodRequests` counts a pod's requests from.
+_POD_REQUEST_FACTS = (RUNNING, WAITING)
 
 
 def _uncached_tenths(p: TtftPrediction) -> int:
@@ -221,9 +223,7 @@ class PredictedTtftScorer:
         reported = own = 0
         for e, p in predicted.items():
             m = e.metrics
-            # `known` for both facts, the snapshot's age read once: this runs for
-            # every candidate of a pick.
-            if not m.stale(now) and RUNNING not in m.missing and WAITING not in m.missing:
+            if m.all_known(_POD_REQUEST_FACTS, now):
                 out[e] = m.running_requests + m.waiting_requests + e.unseen_routed
                 reported += out[e]
                 own += p.requests_in_flight
@@ -312,16 +312,16 @@ class PredictedTtftScorer:
                 seconds = _charged_a_miss(seconds, heavy, idle, miss, predicted)
                 best = min(seconds.values())
                 crowded |= heavy
+        pod_requests: dict[Endpoint, int] | None = None
         if self.spread_factor is not None and not predictions.continues and idle > 0.0:
             # A request that starts something (a new question over a shared prompt, a
             # conversation's first turn): the requests like it that follow go where it
             # goes, so while pods idle, a pod far above the fleet's mean tokens in
             # flight is charged the work of a miss for its hit, as a decode-heavy pod
             # is. A request that continues one stays with its history.
-            swamped = _above(
-                self._pod_requests(predicted) if self.spread_by_pod_requests else tokens,
-                self.spread_factor,
-            )
+            if self.spread_by_pod_requests:
+                pod_requests = self._pod_requests(predicted)
+            swamped = _above(tokens if pod_requests is None else pod_requests, self.spread_factor)
             if swamped:
                 seconds = _charged_a_miss(seconds, swamped, idle, miss, predicted)
                 best = min(seconds.values())
@@ -355,9 +355,11 @@ class PredictedTtftScorer:
                 }
                 for e in endpoints
             }
-            if self.spread_by_pod_requests:
+            if self.spread_factor is not None and self.spread_by_pod_requests:
                 # What the spread compares, whether or not it applied to this pick.
-                for e, n in self._pod_requests(predicted).items():
+                if pod_requests is None:
+                    pod_requests = self._pod_requests(predicted)
+                for e, n in pod_requests.items():
                     notes[e.name]["podRequests"] = n
             explain_note(cycle, self.name, notes)
         if log.isEnabledFor(logging.DEBUG):

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from epp.clock import VirtualClock
 from epp.config import InvalidConfig
-from epp.datastore import Datastore, Endpoint, EndpointMetrics, EndpointSpec
+from epp.datastore import WAITING, Datastore, Endpoint, EndpointMetrics, EndpointSpec
 from epp.errors import BadRequest, Shed
 from epp.requests import InferenceRequest, parse_request
 from epp.scheduling import (
@@ -865,9 +865,9 @@ def test_spread_by_pod_requests_counts_what_every_replica_sent(
         assert counts == [0, 0, 0]  # stale, and this EPP has nothing in flight there
 
 
-@pytest.mark.parametrize("a_fresh", [False, True])
+@pytest.mark.parametrize("a_scrape", ["stale", "no waiting count", "fresh"])
 def test_spread_by_pod_requests_scales_a_stale_pods_own_requests_by_the_fleets_ratio(
-    a_fresh: bool,
+    a_scrape: str,
 ) -> None:
     """This EPP has four requests on a and one decoding on b; b reports two running
     (another replica sent the other), c none. a's scrape is stale: the fresh pods
@@ -875,14 +875,16 @@ def test_spread_by_pod_requests_scales_a_stale_pods_own_requests_by_the_fleets_r
     the mean ((8 + 2 + 0) / 3), and its hit is charged a miss in proportion to the
     pods with no queue (b and c). Counted as this EPP's own four, a would sit at
     exactly twice the mean, not above it, as it does when a's fresh scrape says
-    four: then no other replica has sent it anything."""
+    four: then no other replica has sent it anything. A fresh page without the
+    waiting count is no count either, as a stale one."""
     fleet = Fleet(
         scorer=PredictedTtftScorer.Parameters(spread_factor=2.0, spread_by_pod_requests=True),
         initialContinuingShare=0.0,
     )
     a, b, c = make_endpoints(3)
-    a.metrics = EndpointMetrics(running_requests=4, updated_at=fleet.clock())
-    if not a_fresh:
+    missing = {WAITING: "absent"} if a_scrape == "no waiting count" else {}
+    a.metrics = EndpointMetrics(running_requests=4, updated_at=fleet.clock(), missing=missing)
+    if a_scrape == "stale":
         fleet.clock.advance(a.metrics.staleness_s + 1.0)
     for _ in range(4):
         fleet.route(a)
@@ -896,8 +898,9 @@ def test_spread_by_pod_requests_scales_a_stale_pods_own_requests_by_the_fleets_r
     asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
     fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
     explained = _explained(cycle, (a, b, c))
-    _assert_charged_a_miss(explained, a, 0.0 if a_fresh else 2 / 3)
-    assert [explained[e]["podRequests"] for e in (a, b, c)] == [4 if a_fresh else 8, 2, 0]
+    fresh = a_scrape == "fresh"
+    _assert_charged_a_miss(explained, a, 0.0 if fresh else 2 / 3)
+    assert [explained[e]["podRequests"] for e in (a, b, c)] == [4 if fresh else 8, 2, 0]
 
 
 def test_a_spread_factor_of_one_or_less_is_refused() -> None:
