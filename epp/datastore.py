@@ -98,8 +98,11 @@ class EndpointMetrics:
 
     def all_known(self, facts: Iterable[str], now: float) -> bool:
         """`known` for each of `facts`, the snapshot's age read once (a scorer reads
-        several facts of every candidate in a pick)."""
-        return self.missing.keys().isdisjoint(facts) and not self.stale(now)
+        several facts of every candidate in a pick, so `stale` is spelled out here:
+        two calls fewer per candidate)."""
+        if self.unreachable or self.updated_at == 0.0 or now - self.updated_at > self.staleness_s:
+            return False
+        return self.missing.keys().isdisjoint(facts)
 
 
 class Endpoint:

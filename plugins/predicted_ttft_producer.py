@@ -132,73 +132,38 @@ _ERROR_BUCKETS: Final = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class TtftPrediction:
+class TtftPrediction(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """One pod's predicted TTFT for one request (seconds), what it is made of, and
     the load this EPP had on that pod when it was made (for a disaggregated
     prediction, the prefill pod's).
 
-    A plain slots class rather than a frozen dataclass: a pick makes one per
-    candidate (64 on a 64-pod fleet), and the feature vector, the parts and the
-    features, which only the chosen pod's charge and /debug/explain read, are
-    derived when asked. Treat it as read-only."""
+    A msgspec struct rather than a dataclass: a pick makes one per candidate (64
+    on a 64-pod fleet), and a struct is built in C, several times faster than a
+    Python `__init__` with these keywords. Its fields are numbers and a tuple of
+    numbers, so it never holds a cycle (`gc=False`). The feature vector, the parts
+    and the features, which only the chosen pod's charge and /debug/explain read,
+    are derived when asked."""
 
-    __slots__ = (
-        "cached_tokens",
-        "decoding",
-        "decoding_tokens",
-        "factor",
-        "overdue",
-        "own_work_s",
-        "queue_s",
-        "queued_s",
-        "requests_in_flight",
-        "seconds",
-        "tokens_in_flight",
-        "transfer_tokens",
-        "uncached_tokens",
-        "waiting",
-        "weights",
-    )
-
-    def __init__(
-        self,
-        *,
-        seconds: float,
-        own_work_s: float,
-        queue_s: float,
-        weights: tuple[float, ...],
-        factor: float,
-        queued_s: float,
-        cached_tokens: int,
-        uncached_tokens: int,
-        decoding: int,
-        waiting: int,
-        transfer_tokens: int = 0,
-        requests_in_flight: int = 0,
-        tokens_in_flight: int = 0,
-        decoding_tokens: int = 0,
-        overdue: int = 0,
-    ) -> None:
-        self.seconds = seconds
-        # The request's own prefill on the pod (the model's prefill and attention
-        # terms): what later requests would wait for.
-        self.own_work_s = own_work_s
-        # The model's queued term: the wait for the prefill queued ahead.
-        self.queue_s = queue_s
-        self.weights = weights  # the model's weights when predicted
-        self.factor = factor  # the pod's speed factor f(p) the own prefill was scaled by
-        self.queued_s = queued_s  # the ledger's backlog: the queued feature
-        self.cached_tokens = cached_tokens
-        self.uncached_tokens = uncached_tokens
-        self.decoding = decoding  # requests decoding in the batch the first step joins
-        self.waiting = waiting  # requests the pod(s) report waiting, as counted
-        self.transfer_tokens = transfer_tokens  # KV cache the decode pod pulls
-        # This EPP's load on the pod: requests queued or decoding, their uncached
-        # prompt tokens, and the prompt tokens of those decoding.
-        self.requests_in_flight = requests_in_flight
-        self.tokens_in_flight = tokens_in_flight
-        self.decoding_tokens = decoding_tokens
-        self.overdue = overdue
+    seconds: float
+    # The request's own prefill on the pod (the model's prefill and attention
+    # terms): what later requests would wait for.
+    own_work_s: float
+    # The model's queued term: the wait for the prefill queued ahead.
+    queue_s: float
+    weights: tuple[float, ...]  # the model's weights when predicted
+    factor: float  # the pod's speed factor f(p) the own prefill was scaled by
+    queued_s: float  # the ledger's backlog: the queued feature
+    cached_tokens: int
+    uncached_tokens: int
+    decoding: int  # requests decoding in the batch the first step joins
+    waiting: int  # requests the pod(s) report waiting, as counted
+    transfer_tokens: int = 0  # KV cache the decode pod pulls
+    # This EPP's load on the pod: requests queued or decoding, their uncached
+    # prompt tokens, and the prompt tokens of those decoding.
+    requests_in_flight: int = 0
+    tokens_in_flight: int = 0
+    decoding_tokens: int = 0
+    overdue: int = 0  # requests queued here whose first token was due (`countOverdue`)
 
     @property
     def features(self) -> TtftFeatures:
@@ -527,8 +492,18 @@ class PredictedTtftProducer:
             decode_waiting = self._waiting(decode, now)
         transfer_part = w6 * (transfer / 1e3)
         out: dict[Endpoint, TtftPrediction] = {}
+        count_overdue = self.count_overdue
         for endpoint in endpoints:
-            cached = min(prompt, round(matched.get(endpoint, 0.0) * block))
+            # Spelled out rather than `min(prompt, round(share * block))`: the same
+            # value, without two builtin calls for each of the (mostly unmatched)
+            # candidates.
+            share = matched.get(endpoint, 0.0)
+            if share > 0.0:
+                cached = round(share * block)
+                if cached > prompt:
+                    cached = prompt
+            else:
+                cached = 0
             uncached = prompt - cached
             pod = pods.get(endpoint)
             overdue = 0
@@ -543,11 +518,14 @@ class PredictedTtftProducer:
                 in_flight = ledger.queued + decoding
                 tokens = pod.tokens_in_flight
                 decoding_tokens = pod.decoding_tokens
-                if self.count_overdue:
+                if count_overdue:
                     overdue = ledger.overdue(now)
             if decode is not None:
                 decoding = 0 if decode_pod is None else decode_pod.ledger.decoding
-            waiting = self._waiting(endpoint, now) + decode_waiting
+            # Most pods report nothing waiting: no call for them.
+            waiting = decode_waiting
+            if endpoint.metrics.waiting_requests > 0:
+                waiting += self._waiting(endpoint, now)
             # The terms in the model's order (FEATURES), summed in that order: the
             # same seconds as `TtftPrediction.parts` adds up. The pod's speed
             # scales its own prefill; the queue is already in its seconds.

@@ -251,7 +251,9 @@ class PredictedTtftScorer:
         predicted = predictions.predict_all(endpoints)
         if not predicted:
             return {}
-        seconds = {e: max(_FLOOR_S, p.seconds) for e, p in predicted.items()}
+        # `x if x > floor else floor`, not `max(floor, x)`: the same value (NaN
+        # included), and a pick on 64 pods takes the builtin's call 128 times.
+        seconds = {e: p.seconds if p.seconds > _FLOOR_S else _FLOOR_S for e, p in predicted.items()}
         # Each pod's prefill queued ahead, and this request's own prefill where it
         # is least (its work on the pod holding most of it).
         queued = {e: p.queue_s for e, p in predicted.items()}
@@ -280,7 +282,9 @@ class PredictedTtftScorer:
             loads = {e: p.requests_in_flight for e, p in predicted.items()}
             mean = sum(loads.values()) / len(loads)
             charges = {e: turns * (loads[e] - mean) * least_work for e in endpoints}
-            seconds = {e: max(_FLOOR_S, s + charges[e]) for e, s in seconds.items()}
+            seconds = {
+                e: c if (c := s + charges[e]) > _FLOOR_S else _FLOOR_S for e, s in seconds.items()
+            }
         best = min(seconds.values())
         # The share of candidates with no prefill queued.
         idle = sum(q <= 0.0 for q in queued.values()) / len(queued)

@@ -1,0 +1,44 @@
+"""EndpointMetrics' freshness rules: `all_known` spells out `stale` for speed, so it
+must say what `known` says for every fact, in every state a snapshot can be in."""
+
+from __future__ import annotations
+
+import pytest
+
+from epp.datastore import RUNNING, WAITING, EndpointMetrics
+
+NOW = 100.0
+
+SNAPSHOTS = {
+    "never scraped": EndpointMetrics(),
+    "fresh": EndpointMetrics(updated_at=NOW - 1.0, staleness_s=2.0),
+    "exactly at the threshold": EndpointMetrics(updated_at=NOW - 2.0, staleness_s=2.0),
+    "just past the threshold": EndpointMetrics(updated_at=NOW - 2.001, staleness_s=2.0),
+    "fresh but unreachable": EndpointMetrics(
+        updated_at=NOW - 0.5, staleness_s=2.0, unreachable=True
+    ),
+    "fresh, waiting missing": EndpointMetrics(
+        updated_at=NOW - 0.5, staleness_s=2.0, missing={WAITING: "not on the page"}
+    ),
+    "stale, running missing": EndpointMetrics(
+        updated_at=NOW - 5.0, staleness_s=2.0, missing={RUNNING: "NaN"}
+    ),
+    "from the future (another clock)": EndpointMetrics(updated_at=NOW + 3.0, staleness_s=2.0),
+}
+
+
+@pytest.mark.parametrize("name", list(SNAPSHOTS))
+@pytest.mark.parametrize("facts", [(WAITING,), (RUNNING,), (RUNNING, WAITING), ()])
+def test_all_known_agrees_with_known_fact_by_fact(name: str, facts: tuple[str, ...]) -> None:
+    metrics = SNAPSHOTS[name]
+    expected = all(metrics.known(f, NOW) for f in facts) and not metrics.stale(NOW)
+    assert metrics.all_known(facts, NOW) is expected
+
+
+def test_all_known_answers_for_each_state() -> None:
+    assert SNAPSHOTS["fresh"].all_known((RUNNING, WAITING), NOW)
+    assert SNAPSHOTS["exactly at the threshold"].all_known((WAITING,), NOW)
+    assert not SNAPSHOTS["just past the threshold"].all_known((WAITING,), NOW)
+    assert not SNAPSHOTS["fresh but unreachable"].all_known((WAITING,), NOW)
+    assert not SNAPSHOTS["fresh, waiting missing"].all_known((RUNNING, WAITING), NOW)
+    assert SNAPSHOTS["fresh, waiting missing"].all_known((RUNNING,), NOW)
