@@ -495,8 +495,8 @@ class PredictedTtftProducer:
         count_overdue = self.count_overdue
         for endpoint in endpoints:
             # Spelled out rather than `min(prompt, round(share * block))`: the same
-            # value, without two builtin calls for each of the (mostly unmatched)
-            # candidates.
+            # value for any share a prefix index gives (0 to 1), without two builtin
+            # calls for each of the (mostly unmatched) candidates.
             share = matched.get(endpoint, 0.0)
             if share > 0.0:
                 cached = round(share * block)
