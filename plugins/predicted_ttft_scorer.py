@@ -50,7 +50,12 @@ fleet saturates: in overload, spreading costs hits the fleet has no room for.
 It spreads a hot prompt, or conversations over one system prompt, before the
 pods holding them build a queue (docs/routing.md, The queue's weight). The tie
 window stays as wide as the predictions' error; the explain note's `costMs` is
-what is compared.
+what is compared. With `queueWeightFade: true` the extra also fades as the
+fleet's mean queue grows toward this request's own prefill (its work on the pod
+holding most of its prompt), and is gone at or above it: a fleet whose pods
+idle between short queues has room for what spreading costs, while one whose
+pods are idle only between long ones (long prompts pinned to the pods holding
+their histories) does not, though as many of its pods idle at an instant.
 
 `workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in
@@ -183,6 +188,7 @@ class PredictedTtftScorer:
         balance_factor: Annotated[float, msgspec.Meta(ge=0.0)] = 1.5
         session_tie_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
         queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+        queue_weight_fade: bool = False
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
@@ -199,6 +205,7 @@ class PredictedTtftScorer:
         self.balance_factor = params.balance_factor
         self.session_tie_share = params.session_tie_share
         self.queue_weight = params.queue_weight
+        self.queue_weight_fade = params.queue_weight_fade
         self.work_weight = params.work_weight
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
@@ -297,6 +304,15 @@ class PredictedTtftScorer:
             # every pod queues, the queue is everywhere and what counts is the work
             # the pick adds (spreading then costs hits the fleet has no room for).
             extra = (self.queue_weight - 1.0) * idle
+            if self.queue_weight_fade:
+                # The fleet's mean queue in units of this request's own prefill:
+                # a small fraction over conversations on one system prompt with
+                # room to spare; on the Mooncake trace near saturation, where a
+                # quarter of the pods idle at each instant, hundreds of ms against
+                # a hit's few, and a request sent to an idle pod brings its whole
+                # long prompt's prefill.
+                mean_queue = sum(queued.values()) / len(queued)
+                extra *= max(0.0, 1.0 - mean_queue / max(_FLOOR_S, least_work))
             seconds = {e: s + extra * queued[e] for e, s in seconds.items()}
             best = min(seconds.values())
         # Crowded: more than `balanceFactor` times the fleet's mean tokens in flight.

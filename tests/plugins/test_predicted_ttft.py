@@ -556,6 +556,36 @@ def test_the_queue_weight_counts_the_wait_a_request_adds_behind_it(
     )
 
 
+@pytest.mark.parametrize(("queued_on_a", "winner"), [(12, 0), (1, 0)])
+def test_the_queue_weight_fades_as_the_mean_queue_reaches_the_requests_own_prefill(
+    queued_on_a: int, winner: int
+) -> None:
+    """The pods of the test above, with `queueWeightFade`: twelve prefills queued on
+    a put the fleet's mean queue far above the request's own prefill there (5 of
+    100 blocks), the extra is gone and the holder wins, where without the fade b
+    wins; one queued prefill leaves part of the extra, in the formula's share."""
+    parameters = PredictedTtftScorer.Parameters(queue_weight=3.0, queue_weight_fade=True)
+    fleet = Fleet(scorer=parameters)
+    a, b = make_endpoints(2)
+    for _ in range(queued_on_a):
+        fleet.route(a, {a: 95.0})
+    _, cycle = fleet.cycle({a: 95.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = [notes["predicted-ttft-scorer"][e.name] for e in (a, b)]
+    queued = [n["queuedMs"] for n in explained]
+    own = [n["prefillMs"] + n["attentionMs"] for n in explained]
+    fade = max(0.0, 1.0 - (sum(queued) / 2) / min(own))
+    assert (fade == 0.0) == (queued_on_a == 12)
+    assert 0.0 < fade < 1.0 or queued_on_a == 12
+    extra = (3.0 - 1.0) * 0.5 * fade  # one pod of two idle
+    assert explained[0]["costMs"] == pytest.approx(
+        explained[0]["predictedTtftMs"] + extra * queued[0], abs=0.01
+    )
+
+
 def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:
     datastore = Datastore()
     datastore.replace_all([EndpointSpec("a", "10.0.0.1:8000")])
@@ -597,6 +627,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-producer", parameters))
     with pytest.raises(InvalidConfig, match="tieTolerance"):
         load(one_plugin_config("predicted-ttft-scorer", {"tieTolerance": -0.1}))
+    with pytest.raises(InvalidConfig, match="queueWeightFade"):
+        load(one_plugin_config("predicted-ttft-scorer", {"queueWeightFade": "yes"}))
     with pytest.raises(InvalidConfig, match="sessionTieShare"):
         load(one_plugin_config("predicted-ttft-scorer", {"sessionTieShare": 1.5}))
     with pytest.raises(InvalidConfig, match="queueWeight"):
