@@ -9,6 +9,7 @@ Plugins only read, and only during a pick.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -89,7 +90,11 @@ class EndpointMetrics:
         return now - self.updated_at
 
     def stale(self, now: float) -> bool:
-        return self.unreachable or self.age(now) > self.staleness_s
+        # `age` spelled out: a scorer asks this of every candidate in a pick.
+        if self.unreachable:
+            return True
+        age = now - self.updated_at if self.updated_at != 0.0 else math.inf
+        return age > self.staleness_s
 
     def known(self, fact: str, now: float) -> bool:
         """Whether `fact` (WAITING, ...) may be trusted: the snapshot is fresh and the
@@ -98,11 +103,8 @@ class EndpointMetrics:
 
     def all_known(self, facts: Iterable[str], now: float) -> bool:
         """`known` for each of `facts`, the snapshot's age read once (a scorer reads
-        several facts of every candidate in a pick, so `stale` is spelled out here:
-        two calls fewer per candidate)."""
-        if self.unreachable or self.updated_at == 0.0 or now - self.updated_at > self.staleness_s:
-            return False
-        return self.missing.keys().isdisjoint(facts)
+        several facts of every candidate in a pick)."""
+        return not self.stale(now) and self.missing.keys().isdisjoint(facts)
 
 
 class Endpoint:

@@ -1,7 +1,10 @@
-"""EndpointMetrics' freshness rules: `all_known` spells out `stale` for speed, so it
-must say what `known` says for every fact, in every state a snapshot can be in."""
+"""EndpointMetrics' freshness rules: `stale` spells out `age` for speed, and
+`all_known` reads it once for several facts; both must say what `age` and `known`
+say, in every state a snapshot can be in."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -24,6 +27,7 @@ SNAPSHOTS = {
         updated_at=NOW - 5.0, staleness_s=2.0, missing={RUNNING: "NaN"}
     ),
     "from the future (another clock)": EndpointMetrics(updated_at=NOW + 3.0, staleness_s=2.0),
+    "never scraped, no threshold": EndpointMetrics(staleness_s=math.inf),
 }
 
 
@@ -36,9 +40,17 @@ def test_all_known_agrees_with_known_fact_by_fact(name: str, facts: tuple[str, .
 
 
 def test_all_known_answers_for_each_state() -> None:
+    assert not SNAPSHOTS["never scraped"].all_known((WAITING,), NOW)
+    assert SNAPSHOTS["never scraped, no threshold"].all_known((WAITING,), NOW)
     assert SNAPSHOTS["fresh"].all_known((RUNNING, WAITING), NOW)
     assert SNAPSHOTS["exactly at the threshold"].all_known((WAITING,), NOW)
     assert not SNAPSHOTS["just past the threshold"].all_known((WAITING,), NOW)
     assert not SNAPSHOTS["fresh but unreachable"].all_known((WAITING,), NOW)
     assert not SNAPSHOTS["fresh, waiting missing"].all_known((RUNNING, WAITING), NOW)
     assert SNAPSHOTS["fresh, waiting missing"].all_known((RUNNING,), NOW)
+
+
+@pytest.mark.parametrize("name", list(SNAPSHOTS))
+def test_stale_is_unreachable_or_older_than_the_threshold(name: str) -> None:
+    metrics = SNAPSHOTS[name]
+    assert metrics.stale(NOW) is (metrics.unreachable or metrics.age(NOW) > metrics.staleness_s)
