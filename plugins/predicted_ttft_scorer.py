@@ -40,7 +40,7 @@ placement is about spreading sessions, not about this turn's hit. It helps
 conversational traffic from a cold start and costs traffic of independent
 prompts over shared prefixes (docs/routing.md, Sessions).
 
-`queueWeight` (1.0: off; the lab profile predicted-ttft-queue2 sets 2) counts the
+`queueWeight` (1.0: off; the default profile sets 2, with the fade) counts the
 queue a request would join up to that many times when pods are compared (not in
 the prediction itself): once for the request's own wait, the rest for what the
 greedy pick leaves out, the wait its own work then adds to the requests that
@@ -50,12 +50,15 @@ fleet saturates: in overload, spreading costs hits the fleet has no room for.
 It spreads a hot prompt, or conversations over one system prompt, before the
 pods holding them build a queue (docs/routing.md, The queue's weight). The tie
 window stays as wide as the predictions' error; the explain note's `costMs` is
-what is compared. With `queueWeightFade: true` the extra also fades as the
-fleet's mean queue grows toward this request's own prefill (its work on the pod
-holding most of its prompt), and is gone at or above it: a fleet whose pods
-idle between short queues has room for what spreading costs, while one whose
-pods are idle only between long ones (long prompts pinned to the pods holding
-their histories) does not, though as many of its pods idle at an instant.
+what is compared. With `queueWeightFade: true` (the default profile's) the
+extra also fades as the fleet's mean queue grows toward this request's own
+prefill (its work on the pod holding most of its prompt), and is gone at or
+above it: a fleet whose pods idle between short queues has room for what
+spreading costs, while one whose pods are idle only between long ones (long
+prompts pinned to the pods holding their histories) does not, though as many of
+its pods idle at an instant. A hit, with almost nothing to prefill, loses the
+extra as soon as any queue forms, so the fade keeps the conversations' gain but
+not the hot prompt's.
 
 `workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in

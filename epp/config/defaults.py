@@ -68,8 +68,8 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
-# cache window, the prefill weight's floor, the decode balance, the spread and the
-# tie cap (docs/routing.md): it
+# cache window, the prefill weight's floor, the decode balance, the spread, the
+# tie cap and the faded queue weight (docs/routing.md): it
 # needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
 # was the default before.
 DEFAULT_CONFIG: Final = f"""\
@@ -88,6 +88,8 @@ plugins:
     spreadFactor: 2
     spreadByPodRequests: true
     tieMaxMs: 250
+    queueWeight: 2
+    queueWeightFade: true
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
 - name: default
