@@ -56,9 +56,9 @@ prefill (its work on the pod holding most of its prompt), and is gone at or
 above it: a fleet whose pods idle between short queues has room for what
 spreading costs, while one whose pods are idle only between long ones (long
 prompts pinned to the pods holding their histories) does not, though as many of
-its pods idle at an instant. A hit, with almost nothing to prefill, loses the
-extra as soon as any queue forms, so the fade keeps the conversations' gain but
-not the hot prompt's.
+its pods idle at an instant. A hit, with little to prefill, loses the extra
+once the fleet's mean queue passes that little; in the lab the fade keeps the
+conversations' gain but not the hot prompt's (docs/routing.md).
 
 `workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in
