@@ -58,7 +58,11 @@ spreading costs, while one whose pods are idle only between long ones (long
 prompts pinned to the pods holding their histories) does not, though as many of
 its pods idle at an instant. A hit, with little to prefill, loses the extra
 once the fleet's mean queue passes that little; in the lab the fade keeps the
-conversations' gain but not the hot prompt's (docs/routing.md).
+conversations' gain but not the hot prompt's (docs/routing.md). With
+`queueWeightFadeMissCapMs` (none: off) the fade's scale is the larger of the
+request's own prefill and a miss's prefill capped at that many milliseconds: a
+request whose miss is short keeps the extra until the mean queue reaches it,
+while a long prompt's is still cut by its own small prefill.
 
 `workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in
@@ -192,6 +196,7 @@ class PredictedTtftScorer:
         session_tie_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
         queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         queue_weight_fade: bool = False
+        queue_weight_fade_miss_cap_ms: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
@@ -209,6 +214,11 @@ class PredictedTtftScorer:
         self.session_tie_share = params.session_tie_share
         self.queue_weight = params.queue_weight
         self.queue_weight_fade = params.queue_weight_fade
+        self.fade_miss_cap_s = (
+            None
+            if params.queue_weight_fade_miss_cap_ms is None
+            else params.queue_weight_fade_miss_cap_ms / 1000.0
+        )
         self.work_weight = params.work_weight
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
@@ -315,7 +325,14 @@ class PredictedTtftScorer:
                 # a hit's few, and a request sent to an idle pod brings its whole
                 # long prompt's prefill.
                 mean_queue = sum(queued.values()) / len(queued)
-                extra *= max(0.0, 1.0 - mean_queue / max(_FLOOR_S, least_work))
+                scale = least_work
+                if self.fade_miss_cap_s is not None:
+                    # Where a miss is short (a hot system prompt, not a long
+                    # history), spreading costs the fleet little: the extra lasts
+                    # until the mean queue reaches a miss's prefill, up to the cap.
+                    capped = miss if miss < self.fade_miss_cap_s else self.fade_miss_cap_s
+                    scale = capped if capped > scale else scale
+                extra *= max(0.0, 1.0 - mean_queue / max(_FLOOR_S, scale))
             seconds = {e: s + extra * queued[e] for e, s in seconds.items()}
             best = min(seconds.values())
         # Crowded: more than `balanceFactor` times the fleet's mean tokens in flight.

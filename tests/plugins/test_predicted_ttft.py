@@ -586,6 +586,37 @@ def test_the_queue_weight_fades_as_the_mean_queue_reaches_the_requests_own_prefi
     )
 
 
+@pytest.mark.parametrize(("cap_ms", "winner"), [(None, 0), (0.001, 0), (1e6, 1)])
+def test_a_miss_cap_keeps_the_queue_weight_while_a_miss_is_short(
+    cap_ms: float | None, winner: int
+) -> None:
+    """Twelve prefills queued on a, as above: the fade scaled by the request's own
+    prefill leaves no extra and the holder wins. Scaled by a miss's prefill (a cap
+    above it), the mean queue is short beside the miss, part of the extra stays and
+    b wins; a cap below the request's own prefill changes nothing."""
+    parameters = PredictedTtftScorer.Parameters(
+        queue_weight=3.0, queue_weight_fade=True, queue_weight_fade_miss_cap_ms=cap_ms
+    )
+    fleet = Fleet(scorer=parameters)
+    a, b = make_endpoints(2)
+    for _ in range(12):
+        fleet.route(a, {a: 95.0})
+    _, cycle = fleet.cycle({a: 95.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
+    notes = cycle.get(EXPLAIN_NOTES)
+    assert notes is not None
+    explained = [notes["predicted-ttft-scorer"][e.name] for e in (a, b)]
+    queued = [n["queuedMs"] for n in explained]
+    own = [n["prefillMs"] + n["attentionMs"] for n in explained]
+    scale = min(own) if cap_ms is None else max(min(own), min(max(own), cap_ms))
+    fade = max(0.0, 1.0 - (sum(queued) / 2) / scale)
+    extra = (3.0 - 1.0) * 0.5 * fade  # one pod of two idle
+    assert explained[0]["costMs"] == pytest.approx(
+        explained[0]["predictedTtftMs"] + extra * queued[0], abs=0.01
+    )
+
+
 def test_a_pod_that_leaves_takes_its_queue_and_speed_with_it() -> None:
     datastore = Datastore()
     datastore.replace_all([EndpointSpec("a", "10.0.0.1:8000")])
@@ -629,6 +660,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"tieTolerance": -0.1}))
     with pytest.raises(InvalidConfig, match="queueWeightFade"):
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeightFade": "yes"}))
+    with pytest.raises(InvalidConfig, match="queueWeightFadeMissCapMs"):
+        load(one_plugin_config("predicted-ttft-scorer", {"queueWeightFadeMissCapMs": 0}))
     with pytest.raises(InvalidConfig, match="sessionTieShare"):
         load(one_plugin_config("predicted-ttft-scorer", {"sessionTieShare": 1.5}))
     with pytest.raises(InvalidConfig, match="queueWeight"):
