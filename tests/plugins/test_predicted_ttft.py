@@ -556,6 +556,25 @@ def test_the_queue_weight_counts_the_wait_a_request_adds_behind_it(
     )
 
 
+def _pick_after_queueing_on_a(
+    parameters: PredictedTtftScorer.Parameters, queued_on_a: int, winner: int
+) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+    """Two pods, `queued_on_a` requests holding 95 of 100 blocks queued on a, then a
+    pick between them that `winner` (0: a, 1: b) must win. Returns each pod's
+    explain note, its queued ms and the request's own prefill ms there."""
+    fleet = Fleet(scorer=parameters)
+    a, b = make_endpoints(2)
+    for _ in range(queued_on_a):
+        fleet.route(a, {a: 95.0})
+    _, cycle = fleet.cycle({a: 95.0})
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
+    explained = list(_explained(cycle, (a, b)).values())
+    queued = [n["queuedMs"] for n in explained]
+    own = [n["prefillMs"] + n["attentionMs"] for n in explained]
+    return explained, queued, own
+
+
 @pytest.mark.parametrize(("queued_on_a", "winner"), [(12, 0), (1, 0)])
 def test_the_queue_weight_fades_as_the_mean_queue_reaches_the_requests_own_prefill(
     queued_on_a: int, winner: int
@@ -565,18 +584,7 @@ def test_the_queue_weight_fades_as_the_mean_queue_reaches_the_requests_own_prefi
     100 blocks), the extra is gone and the holder wins, where without the fade b
     wins; one queued prefill leaves part of the extra, in the formula's share."""
     parameters = PredictedTtftScorer.Parameters(queue_weight=3.0, queue_weight_fade=True)
-    fleet = Fleet(scorer=parameters)
-    a, b = make_endpoints(2)
-    for _ in range(queued_on_a):
-        fleet.route(a, {a: 95.0})
-    _, cycle = fleet.cycle({a: 95.0})
-    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
-    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
-    notes = cycle.get(EXPLAIN_NOTES)
-    assert notes is not None
-    explained = [notes["predicted-ttft-scorer"][e.name] for e in (a, b)]
-    queued = [n["queuedMs"] for n in explained]
-    own = [n["prefillMs"] + n["attentionMs"] for n in explained]
+    explained, queued, own = _pick_after_queueing_on_a(parameters, queued_on_a, winner)
     fade = max(0.0, 1.0 - (sum(queued) / 2) / min(own))
     assert (fade == 0.0) == (queued_on_a == 12)
     assert 0.0 < fade < 1.0 or queued_on_a == 12
@@ -597,18 +605,7 @@ def test_a_miss_cap_keeps_the_queue_weight_while_a_miss_is_short(
     parameters = PredictedTtftScorer.Parameters(
         queue_weight=3.0, queue_weight_fade=True, queue_weight_fade_miss_cap_ms=cap_ms
     )
-    fleet = Fleet(scorer=parameters)
-    a, b = make_endpoints(2)
-    for _ in range(12):
-        fleet.route(a, {a: 95.0})
-    _, cycle = fleet.cycle({a: 95.0})
-    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
-    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
-    notes = cycle.get(EXPLAIN_NOTES)
-    assert notes is not None
-    explained = [notes["predicted-ttft-scorer"][e.name] for e in (a, b)]
-    queued = [n["queuedMs"] for n in explained]
-    own = [n["prefillMs"] + n["attentionMs"] for n in explained]
+    explained, queued, own = _pick_after_queueing_on_a(parameters, 12, winner)
     scale = min(own) if cap_ms is None else max(min(own), min(max(own), cap_ms))
     fade = max(0.0, 1.0 - (sum(queued) / 2) / scale)
     extra = (3.0 - 1.0) * 0.5 * fade  # one pod of two idle
