@@ -62,7 +62,8 @@ conversations' gain but not the hot prompt's (docs/routing.md). With
 `queueWeightFadeMissCapMs` (none: off) the fade's scale is the larger of the
 request's own prefill and a miss's prefill capped at that many milliseconds: a
 request whose miss is short keeps the extra until the mean queue reaches it,
-while a long prompt's is still cut by its own small prefill.
+and a long prompt's (a miss of seconds) until the mean queue reaches the cap,
+not the seconds of its miss.
 
 `workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in
