@@ -187,6 +187,53 @@ def _block_chars(block_size_tokens: int, chars_per_token: float) -> int:
     return max(1, round(block_size_tokens * chars_per_token))
 
 
+class PrefixDemand:
+    """How many of the recent requests ended their longest held prefix on each
+    block: a prefix many requests want, held by few pods, is a hot one
+    (`predicted-ttft-scorer`'s `hotPrefixQueueWeight`).
+
+    A request's weight decays by `1 - 1/window` with each later one, counted in
+    requests, not seconds, so the same traffic reads the same on the wall clock and
+    in the lab's virtual time. At most `max_keys` blocks are kept: past that, the
+    less wanted half goes. Memory: a dict entry per block kept."""
+
+    def __init__(self, window: int = 256, max_keys: int = 4096) -> None:
+        if window < 2 or max_keys < 1:
+            raise ValueError(f"window must be >= 2 and max_keys >= 1, got {window}, {max_keys}")
+        self._growth = 1.0 / (1.0 - 1.0 / window)
+        self._max_keys = max_keys
+        # Later requests weigh more instead of earlier ones decaying: one add
+        # touches one entry, not all of them.
+        self._weight = 1.0
+        self._total = 0.0
+        self._counts: dict[int, float] = {}
+
+    def share(self, key: int | None) -> float:
+        """The decayed share of recent requests added with `key`, in [0, 1]."""
+        if key is None or self._total <= 0.0:
+            return 0.0
+        return self._counts.get(key, 0.0) / self._total
+
+    def add(self, key: int | None) -> None:
+        """One request, whose longest held prefix ended on block `key` (None: it
+        held none; it still counts in the shares' total)."""
+        weight = self._weight
+        self._total += weight
+        if key is not None:
+            counts = self._counts
+            counts[key] = counts.get(key, 0.0) + weight
+            if len(counts) > self._max_keys:
+                kept = sorted(counts.items(), key=lambda kv: kv[1])[len(counts) // 2 :]
+                self._counts = dict(kept)
+        self._weight = weight * self._growth
+        if self._weight > 1e100:
+            # Rescaled long before a float overflows; the shares are unchanged.
+            scale = 1.0 / self._weight
+            self._weight = 1.0
+            self._total *= scale
+            self._counts = {k: v * scale for k, v in self._counts.items()}
+
+
 class ApproxPrefixIndex:
     """Per-endpoint LRUs of block hashes, and the endpoints holding each hash."""
 

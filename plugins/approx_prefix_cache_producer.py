@@ -43,6 +43,11 @@ Parameters (llm-d's names and defaults):
   (`PrefixMatchInfo.remembered`), which `predicted-ttft-scorer`'s tie rank reads
   (docs/routing.md, The index's capacity).
 
+The match also says how many of the recent requests wanted the prefix it ends on
+(`PrefixMatchInfo.demand`: the share of the last few hundred picks whose longest
+match ended on the same block), which `predicted-ttft-scorer`'s
+`hotPrefixQueueWeight` reads.
+
 `prefix-cache-scorer` without a producer name keeps an index of its own, with
 GIE's parameters (plugins/prefix_cache_scorer.py); both use `ApproxPrefixMatcher`.
 """
@@ -61,6 +66,7 @@ from prometheus_client.registry import Collector
 from epp.approxindex import (
     DEFAULT_CHARS_PER_TOKEN,
     ApproxPrefixIndex,
+    PrefixDemand,
     PromptBlocks,
     prompt_blocks,
 )
@@ -120,6 +126,9 @@ class ApproxPrefixMatcher:
         self.chars_per_token = chars_per_token
         self.cache_window = cache_window
         self.index = ApproxPrefixIndex()
+        self.demand = PrefixDemand()
+        # The block the request's longest match ends on: counted at the pick.
+        self._demand_key: StateKey[int] = StateKey(f"approx-prefix-demand/{context.name}")
         # Prompt characters and the tokens the engines counted for them, each
         # observation's weight decaying by TEXT_MEMORY per later one: what a block of
         # text really holds in tokens (`tokens_per_char`).
@@ -245,6 +254,11 @@ class ApproxPrefixMatcher:
                 # cache's worth of the latest.
                 held = {e: self.index.recent_run(blocks, e, run) for e, run in remembered.items()}
                 matched = {e: run for e, run in held.items() if run > 0}
+            deepest = max(remembered.values(), default=0)
+            key: int | None = None
+            if deepest > 0:
+                key = blocks.hash(deepest - 1)  # hashed already by the match
+                cycle.put(self._demand_key, key)
             info = PrefixMatchInfo(
                 blocks.total,
                 block_size,
@@ -252,6 +266,7 @@ class ApproxPrefixMatcher:
                 blocks.uncapped,
                 continues=self.index.continues(blocks, remembered),
                 remembered=remembered if self.cache_window else None,
+                demand=self.demand.share(key),
             )
             cycle.put(self._blocks, blocks)
         cycle.put(self.key, info)
@@ -284,6 +299,7 @@ class ApproxPrefixMatcher:
                 capacity, held = max(holder.metrics.num_gpu_blocks, cache), cache
             self.index.add(holder, blocks.all(), capacity, held if self.cache_window else None)
         self.index.mark_end(blocks)
+        self.demand.add(cycle.get(self._demand_key))
         if self.index.evictions > before:
             self._evictions.inc(self.index.evictions - before)
         self._ratio.observe(info.ratio(chosen))

@@ -287,6 +287,12 @@ class TtftPredictions:
         return info is not None and info.continues
 
     @property
+    def demand(self) -> float:
+        """The share of recent requests whose longest held prefix is this one's."""
+        info = self._cycle.get(self._producer.prefix_key)
+        return 0.0 if info is None else info.demand
+
+    @property
     def continuing_share(self) -> float:
         """The share of this EPP's recent requests that continued an earlier prompt."""
         return self._producer.continuing_share

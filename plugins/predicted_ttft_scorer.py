@@ -65,6 +65,20 @@ request whose miss is short keeps the extra until the mean queue reaches it,
 and a long prompt's (a miss of seconds) until the mean queue reaches the cap,
 not the seconds of its miss.
 
+`hotPrefixQueueWeight` (none: off): the queue weight, not faded, for a request
+whose prompt is mostly a hot prefix: more of the recent requests ended their
+longest match where this one's ends (the prefix producer's `demand`, a share of
+its last few hundred picks) than its share of the pods holding that prefix (at
+least half the prompt, on pods holding nine tenths of the deepest match any pod
+has). A hot system prompt then spreads to idle pods while some are idle, each
+paying one short miss, however long the fleet's mean queue, where the fade would
+leave a hit's extra nothing once that queue passed its small prefill. A prompt
+group that is one of many (shared prefixes, four groups a pod) wants a fraction
+of a pod and keeps the default's weight; so does a long prompt with a short
+shared start (the Mooncake trace's system prompt): its prefix is not half of it.
+Only the approximate prefix producer counts the demand; with another, no prompt
+is hot (docs/routing.md, The queue's weight).
+
 `workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in
 proportion to the share of candidates with prefill queued: on a busy fleet, a
@@ -173,6 +187,18 @@ def _above(values: Mapping[Endpoint, int], factor: float) -> set[Endpoint]:
     return {e for e, v in values.items() if v > limit}
 
 
+def _hot_prefix(predicted: Mapping[Endpoint, TtftPrediction], demand: float) -> bool:
+    """Whether the request's prompt is mostly a prefix that more of the recent
+    requests wanted (`demand`, their share) than its holders' share of the pods:
+    the pods holding it carry more than a pod's worth of it each."""
+    deepest = max(p.cached_tokens for p in predicted.values())
+    anyone = next(iter(predicted.values()))
+    if deepest <= 0 or 2 * deepest < anyone.cached_tokens + anyone.uncached_tokens:
+        return False
+    holders = sum(p.cached_tokens >= 0.9 * deepest for p in predicted.values())
+    return demand * len(predicted) > holders
+
+
 def _charged_a_miss(
     seconds: Mapping[Endpoint, float],
     pods: set[Endpoint],
@@ -198,6 +224,7 @@ class PredictedTtftScorer:
         queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         queue_weight_fade: bool = False
         queue_weight_fade_miss_cap_ms: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+        hot_prefix_queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
@@ -220,6 +247,7 @@ class PredictedTtftScorer:
             if params.queue_weight_fade_miss_cap_ms is None
             else params.queue_weight_fade_miss_cap_ms / 1000.0
         )
+        self.hot_prefix_queue_weight = params.hot_prefix_queue_weight
         self.work_weight = params.work_weight
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
@@ -312,13 +340,25 @@ class PredictedTtftScorer:
         # Ties are as wide as the predictions' error, a share of the best prediction,
         # whatever the queue weight.
         tie_base = best
-        if self.queue_weight != 1.0:
+        # A hot prefix: more of the recent requests want it than pods hold it.
+        hot = (
+            self.hot_prefix_queue_weight is not None
+            and predictions.demand > 0.0
+            and _hot_prefix(predicted, predictions.demand)
+        )
+        if self.queue_weight != 1.0 or hot:
             # In proportion to the pods with no queue: while some are idle, joining a
             # queue delays the requests behind it that could have gone there; when
             # every pod queues, the queue is everywhere and what counts is the work
             # the pick adds (spreading then costs hits the fleet has no room for).
             extra = (self.queue_weight - 1.0) * idle
-            if self.queue_weight_fade:
+            if hot:
+                # Each pod that takes a hot prompt pays one short miss and then
+                # holds it for the requests that follow: spread while pods idle,
+                # however long the mean queue is beside this hit's prefill.
+                assert self.hot_prefix_queue_weight is not None
+                extra = (self.hot_prefix_queue_weight - 1.0) * idle
+            elif self.queue_weight_fade:
                 # The fleet's mean queue in units of this request's own prefill:
                 # a small fraction over conversations on one system prompt with
                 # room to spare; on the Mooncake trace near saturation, where a
@@ -392,6 +432,8 @@ class PredictedTtftScorer:
                     "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
                     "sessionTie": session_tie,
                     "decodingTokens": predicted[e].decoding_tokens,
+                    "prefixDemand": round(predictions.demand, 4),
+                    "hotPrefix": hot,
                     "costMs": round(seconds[e] * 1e3, 3),
                 }
                 for e in endpoints

@@ -214,6 +214,10 @@ class PrefixMatchInfo:
     # approximate index's cache window), the longest prefix each was ever sent and
     # remembered: the pod a prompt group was sent to. None: the same as `matched`.
     remembered: Mapping[Endpoint, float] | None = None
+    # The share of the producer's recent requests whose longest match ended on the
+    # block this one's does (`epp.approxindex.PrefixDemand`); 0 where the producer
+    # does not count it.
+    demand: float = 0.0
 
     def prompt_tokens(self) -> int:
         """The prompt's length, in the producer's tokens, to the block."""

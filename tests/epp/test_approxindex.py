@@ -5,8 +5,15 @@ from __future__ import annotations
 import random
 
 import msgspec
+import pytest
 
-from epp.approxindex import ApproxPrefixIndex, PromptBlocks, chain_seed, prompt_blocks
+from epp.approxindex import (
+    ApproxPrefixIndex,
+    PrefixDemand,
+    PromptBlocks,
+    chain_seed,
+    prompt_blocks,
+)
 from epp.requests import InferenceRequest, parse_request
 from tests.plugins.helpers import make_endpoints
 
@@ -217,3 +224,40 @@ def test_the_window_run_is_the_leading_blocks_among_the_latest_distinct_recorded
         assert index.recent_run(probe, pod, run) == expected
         index.add(pod, blocks.all(), capacity=1000, window=window)
         recorded.extend(reversed(blocks.all()))
+
+
+def test_prefix_demand_is_each_keys_decayed_share_of_the_requests() -> None:
+    demand = PrefixDemand(window=4)
+    assert demand.share(1) == 0.0  # nothing counted yet
+    for key in (1, None, 1, 2):
+        demand.add(key)
+    # Weights 1, 4/3, (4/3)^2, (4/3)^3: later requests weigh more.
+    weights = [(4 / 3) ** i for i in range(4)]
+    assert demand.share(1) == pytest.approx((weights[0] + weights[2]) / sum(weights))
+    assert demand.share(2) == pytest.approx(weights[3] / sum(weights))
+    assert demand.share(None) == 0.0
+    assert demand.share(3) == 0.0
+    # Thousands of requests later the weights are rescaled, not overflowed, and a
+    # key that stopped coming is forgotten.
+    for _ in range(5000):
+        demand.add(2)
+    assert demand.share(2) == pytest.approx(1.0)
+    assert demand.share(1) < 1e-9
+
+
+def test_prefix_demand_keeps_the_most_wanted_keys_within_its_bound() -> None:
+    demand = PrefixDemand(window=1000, max_keys=8)
+    for _ in range(20):
+        demand.add(0)  # one key wanted often
+    for key in range(1, 50):
+        demand.add(key)  # many wanted once
+    assert demand.share(0) > 0.2
+    assert sum(demand.share(k) > 0.0 for k in range(50)) <= 8
+
+
+@pytest.mark.parametrize(("window", "max_keys"), [(1, 10), (0, 10), (10, 0)])
+def test_prefix_demand_refuses_a_window_or_bound_that_counts_nothing(
+    window: int, max_keys: int
+) -> None:
+    with pytest.raises(ValueError, match="window must be >= 2 and max_keys >= 1"):
+        PrefixDemand(window=window, max_keys=max_keys)

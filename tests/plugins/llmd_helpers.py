@@ -55,8 +55,12 @@ def with_match(
     total: int = 10,
     block_size: int = 10,
     producer: str = "approx-prefix-cache-producer",
+    demand: float = 0.0,
 ) -> CycleState:
-    cycle.put(prefix_match_key(producer), PrefixMatchInfo(total, block_size, dict(matched)))
+    cycle.put(
+        prefix_match_key(producer),
+        PrefixMatchInfo(total, block_size, dict(matched), demand=demand),
+    )
     return cycle
 
 

@@ -82,9 +82,11 @@ class Fleet:
             ),
         )
 
-    def cycle(self, matched: Mapping[Endpoint, float]) -> tuple[InferenceRequest, CycleState]:
+    def cycle(
+        self, matched: Mapping[Endpoint, float], demand: float = 0.0
+    ) -> tuple[InferenceRequest, CycleState]:
         req = request(PROMPT)
-        cycle = with_match(CycleState(), matched, total=100, block_size=40)
+        cycle = with_match(CycleState(), matched, total=100, block_size=40, demand=demand)
         asyncio.run(self.producer.prepare(req, cycle, []))
         return req, cycle
 
@@ -557,16 +559,21 @@ def test_the_queue_weight_counts_the_wait_a_request_adds_behind_it(
 
 
 def _pick_after_queueing_on_a(
-    parameters: PredictedTtftScorer.Parameters, queued_on_a: int, winner: int
+    parameters: PredictedTtftScorer.Parameters,
+    queued_on_a: int,
+    winner: int,
+    demand: float = 0.0,
+    held: float = 95.0,
 ) -> tuple[list[dict[str, Any]], list[float], list[float]]:
-    """Two pods, `queued_on_a` requests holding 95 of 100 blocks queued on a, then a
-    pick between them that `winner` (0: a, 1: b) must win. Returns each pod's
-    explain note, its queued ms and the request's own prefill ms there."""
+    """Two pods, `queued_on_a` requests holding `held` of 100 blocks queued on a,
+    then a pick between them, its prefix wanted by `demand` of the recent requests,
+    that `winner` (0: a, 1: b) must win. Returns each pod's explain note, its queued
+    ms and the request's own prefill ms there."""
     fleet = Fleet(scorer=parameters)
     a, b = make_endpoints(2)
     for _ in range(queued_on_a):
-        fleet.route(a, {a: 95.0})
-    _, cycle = fleet.cycle({a: 95.0})
+        fleet.route(a, {a: held})
+    _, cycle = fleet.cycle({a: held}, demand)
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b])
     assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
     explained = list(_explained(cycle, (a, b)).values())
@@ -609,6 +616,31 @@ def test_a_miss_cap_keeps_the_queue_weight_while_a_miss_is_short(
     scale = min(own) if cap_ms is None else max(min(own), min(max(own), cap_ms))
     fade = max(0.0, 1.0 - (sum(queued) / 2) / scale)
     extra = (3.0 - 1.0) * 0.5 * fade  # one pod of two idle
+    assert explained[0]["costMs"] == pytest.approx(
+        explained[0]["predictedTtftMs"] + extra * queued[0], abs=0.01
+    )
+
+
+@pytest.mark.parametrize(
+    ("demand", "held", "hot", "winner"),
+    [(0.6, 95.0, True, 1), (0.4, 95.0, False, 0), (0.0, 95.0, False, 0), (0.9, 40.0, False, 1)],
+)
+def test_a_hot_prefix_keeps_its_own_queue_weight_however_long_the_mean_queue(
+    demand: float, held: float, hot: bool, winner: int
+) -> None:
+    """Twelve prefills queued on a, which holds the prompt's prefix: the fade leaves
+    the default's weight nothing and a wins. With `hotPrefixQueueWeight`, a prefix
+    wanted by more of the recent requests than a's share of the pods (over half of
+    them, one pod of two) is hot: its weight counts unfaded and b, idle, wins. A
+    prefix wanted by fewer is not, nor one that is not most of the prompt (40 of
+    100 blocks: b wins on the prediction alone, a's queue of long prefills)."""
+    parameters = PredictedTtftScorer.Parameters(
+        queue_weight=2.0, queue_weight_fade=True, hot_prefix_queue_weight=8.0
+    )
+    explained, queued, _ = _pick_after_queueing_on_a(parameters, 12, winner, demand, held)
+    assert [n["hotPrefix"] for n in explained] == [hot, hot]
+    assert explained[0]["prefixDemand"] == demand
+    extra = (8.0 - 1.0) * 0.5 if hot else 0.0  # one pod of two idle; faded to nothing
     assert explained[0]["costMs"] == pytest.approx(
         explained[0]["predictedTtftMs"] + extra * queued[0], abs=0.01
     )
@@ -657,6 +689,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"tieTolerance": -0.1}))
     with pytest.raises(InvalidConfig, match="queueWeightFade"):
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeightFade": "yes"}))
+    with pytest.raises(InvalidConfig, match="hotPrefixQueueWeight"):
+        load(one_plugin_config("predicted-ttft-scorer", {"hotPrefixQueueWeight": -2}))
     with pytest.raises(InvalidConfig, match="queueWeightFadeMissCapMs"):
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeightFadeMissCapMs": 0}))
     with pytest.raises(InvalidConfig, match="sessionTieShare"):

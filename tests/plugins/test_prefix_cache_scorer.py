@@ -211,6 +211,35 @@ async def test_the_producer_tells_a_prompt_that_continues_an_earlier_one() -> No
     assert info.matched == {a: 2}
 
 
+async def test_the_producer_counts_how_many_recent_requests_wanted_a_prefix() -> None:
+    """`demand`: the share of the recent picks whose longest match ended on the same
+    block. Requests over one system prompt, each with its own question, make it
+    the share of them; a request no pod holds anything of has none, and the others'
+    share fades as other prompts come."""
+    source = producer(autoTune=False)  # blocks of 256 characters
+    key = prefix_match_key("approx")
+    a, b = make_endpoints(2)
+    system = "s" * 512  # two whole blocks
+
+    async def demand(prompt: str) -> float:
+        cycle = CycleState()
+        await source.prepare(request(prompt), cycle, [a, b])
+        info = cycle.get(key)
+        assert info is not None
+        source.pre_request(request(prompt), cycle, routed(a))
+        return info.demand
+
+    assert await demand(system + "q0" * 100) == 0.0  # nothing held yet
+    # The later ones match the system prompt's two blocks on a.
+    shares = [await demand(system + f"q{i}" * 100) for i in range(1, 9)]
+    assert shares[0] == 0.0  # the first request held none: no match recorded
+    assert 0.0 < shares[1] < shares[-1] < 1.0
+    assert shares[-1] == pytest.approx(7 / 8, abs=0.02)  # 7 of the 8 picks before it
+    for i in range(300):  # unrelated prompts, one block each
+        await demand(f"{i:04d}" * 64)
+    assert await demand(system + "q9" * 100) < 0.1 * shares[-1]
+
+
 async def test_the_match_length_weight_rewards_long_matches() -> None:
     source = producer(autoTune=False)
     scorer, _, _ = build(
