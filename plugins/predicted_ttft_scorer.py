@@ -65,7 +65,7 @@ request whose miss is short keeps the extra until the mean queue reaches it,
 and a long prompt's (a miss of seconds) until the mean queue reaches the cap,
 not the seconds of its miss.
 
-`hotPrefixQueueWeight` (none: off): the queue weight, not faded, for a request
+`hotPrefixQueueWeight` (none: off; the default profile sets 8): the queue weight, not faded, for a request
 whose prompt is mostly a hot prefix: more of the recent requests ended their
 longest match where this one's ends (the prefix producer's `demand`, a share of
 its last few hundred picks) than its share of the pods holding that prefix (at

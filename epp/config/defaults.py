@@ -69,7 +69,7 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
 # cache window, the prefill weight's floor, the decode balance, the spread, the
-# tie cap and the faded queue weight (docs/routing.md): it
+# tie cap, the faded queue weight and a hot prefix's own (docs/routing.md): it
 # needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
 # was the default before.
 DEFAULT_CONFIG: Final = f"""\
@@ -90,6 +90,7 @@ plugins:
     tieMaxMs: 250
     queueWeight: 2
     queueWeightFade: true
+    hotPrefixQueueWeight: 8
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
 - name: default
