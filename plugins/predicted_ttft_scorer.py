@@ -65,19 +65,20 @@ request whose miss is short keeps the extra until the mean queue reaches it,
 and a long prompt's (a miss of seconds) until the mean queue reaches the cap,
 not the seconds of its miss.
 
-`hotPrefixQueueWeight` (none: off; the default profile sets 8): the queue weight, not faded, for a request
-whose prompt is mostly a hot prefix: more of the recent requests ended their
-longest match where this one's ends (the prefix producer's `demand`, a share of
-its last few hundred picks) than its share of the pods holding that prefix (at
-least half the prompt, on pods holding nine tenths of the deepest match any pod
-has). A hot system prompt then spreads to idle pods while some are idle, each
-paying one short miss, however long the fleet's mean queue, where the fade would
-leave a hit's extra nothing once that queue passed its small prefill. A prompt
-group that is one of many (shared prefixes, four groups a pod) wants a fraction
-of a pod and keeps the default's weight; so does a long prompt with a short
-shared start (the Mooncake trace's system prompt): its prefix is not half of it.
-Only the approximate prefix producer counts the demand; with another, no prompt
-is hot (docs/routing.md, The queue's weight).
+`hotPrefixQueueWeight` (none: off; the default profile sets 8): the queue
+weight, not faded, for a request whose prompt is mostly a hot prefix: more of
+the recent requests ended their longest match where this one's ends (the prefix
+producer's `demand`, a share of its last few hundred picks) than its share of
+the pods holding that prefix (at least half the prompt, on pods holding nine
+tenths of the deepest match any pod has). A hot system prompt then spreads to
+idle pods while some are idle, each paying one short miss, however long the
+fleet's mean queue, where the fade would leave a hit's extra nothing once that
+queue passed its small prefill. A prompt group that is one of many (shared
+prefixes, four groups a pod) wants a fraction of a pod and keeps the faded
+weight; so does a long prompt with a short shared start (the Mooncake trace's
+system prompt): its prefix is not half of it. Only the approximate prefix
+producer counts the demand; with another, no prompt is hot (docs/routing.md,
+The queue's weight).
 
 `workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
 request's own prefill up to that many times when pods are compared, the extra in
