@@ -341,11 +341,15 @@ class PredictedTtftScorer:
         # Ties are as wide as the predictions' error, a share of the best prediction,
         # whatever the queue weight.
         tie_base = best
-        # A hot prefix: more of the recent requests want it than pods hold it.
+        # A hot prefix: more of the recent requests want it than pods hold it. At
+        # least one pod holds any prefix matched, so a prefix wanted by a pod's
+        # worth or less (a shared prefix's group) is never hot: no pass over the
+        # candidates for it.
+        demand = predictions.demand
         hot = (
             self.hot_prefix_queue_weight is not None
-            and predictions.demand > 0.0
-            and _hot_prefix(predicted, predictions.demand)
+            and demand * len(predicted) > 1.0
+            and _hot_prefix(predicted, demand)
         )
         if self.queue_weight != 1.0 or hot:
             # In proportion to the pods with no queue: while some are idle, joining a
@@ -433,7 +437,7 @@ class PredictedTtftScorer:
                     "sessionChargeMs": round(charges.get(e, 0.0) * 1e3, 3),
                     "sessionTie": session_tie,
                     "decodingTokens": predicted[e].decoding_tokens,
-                    "prefixDemand": round(predictions.demand, 4),
+                    "prefixDemand": round(demand, 4),
                     "hotPrefix": hot,
                     "costMs": round(seconds[e] * 1e3, 3),
                 }
