@@ -90,6 +90,13 @@ the mean tokens in flight) is counted as if it held nothing: its hit earns no
 extra, or a hot prompt's holders would win every comparison until their queues
 outgrew several whole prefills elsewhere. On the whole Mooncake trace at 0.95 of
 capacity it lowers the p90 by more than half (docs/routing.md, The work's weight).
+With `workWeightBusyFrom` (0.0: the extra in proportion to the busy share, as
+above) the extra is nothing until that share of the candidates have prefill
+queued and grows to all of it when every one has: a fleet with pods idle has
+room for a miss's prefill, and only once every pod queues does the work a miss
+adds fall behind what arrives. On the Mooncake trace the share is two thirds to
+three quarters at 0.8 of capacity and at 0.95 until the fleet falls behind, when
+it reaches all of them (docs/routing.md, The work's weight).
 
 `decodeBalanceFactor` (none: off; the default profile sets 3) counts a pod as
 holding nothing of the prompt when the prompts it is decoding (the producer's
@@ -227,6 +234,7 @@ class PredictedTtftScorer:
         queue_weight_fade_miss_cap_ms: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
         hot_prefix_queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+        work_weight_busy_from: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
@@ -250,6 +258,7 @@ class PredictedTtftScorer:
         )
         self.hot_prefix_queue_weight = params.hot_prefix_queue_weight
         self.work_weight = params.work_weight
+        self.work_weight_busy_from = params.work_weight_busy_from
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
         self.spread_by_pod_requests = params.spread_by_pod_requests
@@ -423,7 +432,10 @@ class PredictedTtftScorer:
             # and a hot prompt's holders would otherwise keep every request
             # until their queues outweighed several whole prefills elsewhere.
             busy = sum(q > 0.0 for q in queued.values()) / len(queued)
-            extra = (self.work_weight - 1.0) * busy
+            # With `workWeightBusyFrom`, nothing until that share of the pods
+            # queue: while some idle, the fleet has room for a miss's prefill.
+            start = self.work_weight_busy_from
+            extra = (self.work_weight - 1.0) * max(0.0, (busy - start) / (1.0 - start))
             seconds = {
                 e: s + extra * (miss if e in crowded else predicted[e].own_work_s)
                 for e, s in seconds.items()

@@ -699,6 +699,9 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeight": -1.0}))
     with pytest.raises(InvalidConfig, match="workWeight"):
         load(one_plugin_config("predicted-ttft-scorer", {"workWeight": -1.0}))
+    for bad_share in (1.0, -0.1, "most"):
+        with pytest.raises(InvalidConfig, match="workWeightBusyFrom"):
+            load(one_plugin_config("predicted-ttft-scorer", {"workWeightBusyFrom": bad_share}))
     with pytest.raises(InvalidConfig, match="tieMaxMs"):
         load(one_plugin_config("predicted-ttft-scorer", {"tieMaxMs": -1.0}))
     with pytest.raises(InvalidConfig, match="newPrefixTieMaxMs"):
@@ -742,23 +745,30 @@ def test_the_slo_filter_keeps_the_pods_predicted_to_meet_the_objective() -> None
 
 
 @pytest.mark.parametrize(
-    ("work_weight", "b_queues", "a_crowded", "winner"),
+    ("work_weight", "busy_from", "b_queues", "a_crowded", "winner"),
     [
-        (1.0, True, False, 1),  # off: the greedy pick takes b, predicted sooner
-        (4.0, True, False, 0),  # every pod queues: a's hit saves more than b's wait costs
-        (4.0, False, False, 0),  # b idle: the extra halves (one pod of two queues), a still wins
-        (4.0, True, True, 1),  # a crowded: its hit earns no extra, and b is sooner
+        (1.0, 0.0, True, False, 1),  # off: the greedy pick takes b, predicted sooner
+        (4.0, 0.0, True, False, 0),  # every pod queues: a's hit saves more than b's wait
+        (4.0, 0.0, False, False, 0),  # b idle: the extra halves (one pod of two queues)
+        (4.0, 0.0, True, True, 1),  # a crowded: its hit earns no extra, and b is sooner
+        (4.0, 0.5, False, False, 1),  # b idle: half the pods queue, from which it counts
+        (4.0, 0.5, True, False, 0),  # every pod queues: all of the extra
     ],
 )
 def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
-    work_weight: float, b_queues: bool, a_crowded: bool, winner: int
+    work_weight: float, busy_from: float, b_queues: bool, a_crowded: bool, winner: int
 ) -> None:
     """a holds 95 of the prompt's 100 blocks behind thirty queued prefills, b holds
     nothing (behind one short one, or idle): b is predicted sooner, by more than a
     tie, but would prefill all 4,000 tokens where a prefills 200. Unless a is
     crowded, b decodes a request that prefilled 2,200 tokens: a's 6,000 in flight
-    are then below 1.5 times the mean."""
-    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(work_weight=work_weight))
+    are then below 1.5 times the mean. With `workWeightBusyFrom`, the extra grows
+    from nothing at that share of the pods queued to all of it when every pod is."""
+    fleet = Fleet(
+        scorer=PredictedTtftScorer.Parameters(
+            work_weight=work_weight, work_weight_busy_from=busy_from
+        )
+    )
     a, b = make_endpoints(2)
     for _ in range(30):
         fleet.route(a, {a: 95.0})
@@ -782,11 +792,12 @@ def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
     explained = {e: notes["predicted-ttft-scorer"][e.name] for e in (a, b)}
     own = {e: n["prefillMs"] + n["attentionMs"] for e, n in explained.items()}
     busy = 1.0 if b_queues else 0.5
+    share = (busy - busy_from) / (1.0 - busy_from)
     # A crowded pod is charged the work of a miss: the most any candidate prefills.
     counted = {a: max(own.values()) if a_crowded else own[a], b: own[b]}
     for e in (a, b):
         assert explained[e]["costMs"] == pytest.approx(
-            explained[e]["predictedTtftMs"] + (work_weight - 1.0) * busy * counted[e], abs=0.01
+            explained[e]["predictedTtftMs"] + (work_weight - 1.0) * share * counted[e], abs=0.01
         )
 
 
