@@ -436,11 +436,12 @@ class PredictedTtftScorer:
             # queue: while some idle, the fleet has room for a miss's prefill.
             start = self.work_weight_busy_from
             extra = (self.work_weight - 1.0) * max(0.0, (busy - start) / (1.0 - start))
-            seconds = {
-                e: s + extra * (miss if e in crowded else predicted[e].own_work_s)
-                for e, s in seconds.items()
-            }
-            best = min(seconds.values())
+            if extra != 0.0:  # below the busy share (most picks), no pass over the pods
+                seconds = {
+                    e: s + extra * (miss if e in crowded else predicted[e].own_work_s)
+                    for e, s in seconds.items()
+                }
+                best = min(seconds.values())
         if explaining(cycle):
             notes: dict[str, dict[str, object]] = {
                 e.name: {
