@@ -94,9 +94,10 @@ With `workWeightBusyFrom` (0.0: the extra in proportion to the busy share, as
 above) the extra is nothing until that share of the candidates have prefill
 queued and grows to all of it when every one has: a fleet with pods idle has
 room for a miss's prefill, and only once every pod queues does the work a miss
-adds fall behind what arrives. On the Mooncake trace the share is two thirds to
-three quarters at 0.8 of capacity and at 0.95 until the fleet falls behind, when
-it reaches all of them (docs/routing.md, The work's weight).
+adds fall behind what arrives. On the Mooncake trace most pods but not all
+queue at 0.8 of capacity, and all of them once the fleet falls behind at 0.95;
+through Envoy on 8 pods, shared prefixes queue every pod in bursts, and the
+weight then costs them (docs/routing.md, The work's weight).
 
 `decodeBalanceFactor` (none: off; the default profile sets 3) counts a pod as
 holding nothing of the prompt when the prompts it is decoding (the producer's

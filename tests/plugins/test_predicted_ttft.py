@@ -753,6 +753,7 @@ def test_the_slo_filter_keeps_the_pods_predicted_to_meet_the_objective() -> None
         (4.0, 0.0, True, True, 1),  # a crowded: its hit earns no extra, and b is sooner
         (4.0, 0.5, False, False, 1),  # b idle: half the pods queue, from which it counts
         (4.0, 0.5, True, False, 0),  # every pod queues: all of the extra
+        (4.0, 0.25, False, False, 0),  # half the pods queue: a third of the extra
     ],
 )
 def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
