@@ -98,6 +98,15 @@ adds fall behind what arrives. On the Mooncake trace most pods but not all
 queue at 0.8 of capacity, and all of them once the fleet falls behind at 0.95;
 through Envoy on 8 pods, shared prefixes queue every pod in bursts, and the
 weight then costs them (docs/routing.md, The work's weight).
+`workWeightBusyForS` (none: off) tells a fleet that has fallen behind from such
+a burst: the scorer keeps, on its clock, the share of the last that many seconds
+(an exponential average with that time constant) during which at least
+`workWeightBusyFrom` of the candidates had prefill queued, and the extra is
+nothing until that share reaches one half and all of it when the fleet has been
+busy throughout. A burst shorter than the time constant never turns the weight
+on; a fleet that stays behind for longer does (the Mooncake trace at 0.95 of
+capacity). The clock is the EPP's: a benchmark whose pods run slower than real
+time must scale it (`bench run` does).
 
 `decodeBalanceFactor` (none: off; the default profile sets 3) counts a pod as
 holding nothing of the prompt when the prompts it is decoding (the producer's
@@ -155,7 +164,9 @@ scores 1.0 and a warning is logged once.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
@@ -223,6 +234,28 @@ def _charged_a_miss(
     }
 
 
+@dataclass
+class BusyTime:
+    """The share of recent time the fleet was busy: an exponential average, on the
+    clock, of whether it was at each pick, each state held until the next pick
+    (time, not picks: a fleet that falls behind sees more picks per second than
+    one that keeps up). Starts at nothing, as a fleet that has just started."""
+
+    share: float = 0.0
+    busy: bool = False
+    at: float | None = None
+
+    def update(self, busy: bool, now: float, time_constant_s: float) -> float:
+        """Advance to `now` (the state since the last update held until then),
+        record `busy` from now on, and return the share."""
+        if self.at is not None:
+            held = 1.0 if self.busy else 0.0
+            decay = math.exp(-max(0.0, now - self.at) / time_constant_s)
+            self.share = held + (self.share - held) * decay
+        self.busy, self.at = busy, now
+        return self.share
+
+
 class PredictedTtftScorer:
     class Parameters(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
         predicted_ttft_producer_name: str = ""
@@ -236,6 +269,7 @@ class PredictedTtftScorer:
         hot_prefix_queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         work_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         work_weight_busy_from: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+        work_weight_busy_for_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
         decode_balance_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         spread_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
         tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
@@ -260,6 +294,8 @@ class PredictedTtftScorer:
         self.hot_prefix_queue_weight = params.hot_prefix_queue_weight
         self.work_weight = params.work_weight
         self.work_weight_busy_from = params.work_weight_busy_from
+        self.work_weight_busy_for_s = params.work_weight_busy_for_s
+        self.busy_time = BusyTime()
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
         self.spread_by_pod_requests = params.spread_by_pod_requests
@@ -424,6 +460,7 @@ class PredictedTtftScorer:
                 # And the tie rule counts it as holding nothing, as a crowded pod
                 # (with the tokens in flight and the default factors it is one already).
                 crowded |= swamped
+        work_share: float | None = None  # of the work weight's extra, when it is set
         if self.work_weight != 1.0:
             # In proportion to the pods with a queue: the prefill this pick adds
             # delays the requests that queue behind it there, so on a busy fleet
@@ -433,10 +470,20 @@ class PredictedTtftScorer:
             # and a hot prompt's holders would otherwise keep every request
             # until their queues outweighed several whole prefills elsewhere.
             busy = sum(q > 0.0 for q in queued.values()) / len(queued)
-            # With `workWeightBusyFrom`, nothing until that share of the pods
-            # queue: while some idle, the fleet has room for a miss's prefill.
             start = self.work_weight_busy_from
-            extra = (self.work_weight - 1.0) * max(0.0, (busy - start) / (1.0 - start))
+            if self.work_weight_busy_for_s is None:
+                # With `workWeightBusyFrom`, nothing until that share of the pods
+                # queue: while some idle, the fleet has room for a miss's prefill.
+                share = max(0.0, (busy - start) / (1.0 - start))
+            else:
+                # Only once the fleet has stayed busy: a burst that queues every
+                # pod for a moment passes before the work a miss adds matters.
+                held = self.busy_time.update(
+                    busy >= start, self.clock(), self.work_weight_busy_for_s
+                )
+                share = min(1.0, max(0.0, 2.0 * held - 1.0))
+            work_share = share
+            extra = (self.work_weight - 1.0) * share
             if extra != 0.0:  # below the busy share (most picks), no pass over the pods
                 seconds = {
                     e: s + extra * (miss if e in crowded else predicted[e].own_work_s)
@@ -457,6 +504,9 @@ class PredictedTtftScorer:
                 }
                 for e in endpoints
             }
+            if work_share is not None:
+                for note in notes.values():
+                    note["workWeightShare"] = round(work_share, 4)
             if self.spread_factor is not None and self.spread_by_pod_requests:
                 # What the spread compares, whether or not it applied to this pick.
                 if pod_requests is None:
