@@ -150,10 +150,11 @@ def add_run_parser(commands: Any) -> None:
     fleet.add_argument(
         "--wall-clock-ttl",
         action="store_true",
-        help="keep a flow-control config's TTLs (defaultRequestTTL, noEndpointRequestTTL)"
-        " in wall seconds as written; by default they are multiplied by --time-scale, so"
-        " that a request may wait as many simulated seconds as the config says (the EPP"
-        " runs on wall time, the pods --time-scale times slower)",
+        help="keep a config's durations on the EPP's clock (flow control's defaultRequestTTL"
+        " and noEndpointRequestTTL, the predicted-ttft-scorer's workWeightBusyForS) in wall"
+        " seconds as written; by default they are multiplied by --time-scale, so that a"
+        " request may wait as many simulated seconds as the config says (the EPP runs on"
+        " wall time, the pods --time-scale times slower)",
     )
     fleet.add_argument(
         "--max-error-rate",

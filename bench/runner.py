@@ -197,9 +197,10 @@ class RunOptions:
     # A prefill/decode fleet: pods 0..prefill_pods-1 get the llm-d.ai/role `prefill`,
     # the others `decode` (`python -m sim fleet --prefill-pods`); 0: no roles.
     prefill_pods: int = 0
-    # Flow control's TTLs multiplied by the time scale (`scaled_config`), so that a
+    # Flow control's TTLs (and the config's other durations on the EPP's clock,
+    # `CLOCK_DURATIONS`) multiplied by the time scale (`scaled_config`), so that a
     # request may wait as many simulated seconds as the config says; False: the
-    # config's TTLs as written, in wall seconds.
+    # config's durations as written, in wall seconds.
     scale_ttl: bool = True
 
     def __post_init__(self) -> None:
@@ -946,39 +947,68 @@ def flow_control_ttl(config: Path) -> float | None:
     return ttl if ttl > 0 else math.inf
 
 
+# Plugin parameters that are durations on the EPP's clock (type, parameter): a
+# benchmark whose pods run slower than real time scales them with the TTLs.
+CLOCK_DURATIONS = (("predicted-ttft-scorer", "workWeightBusyForS"),)
+
+
+def _clock_durations(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `parameters` of the config's plugins that set a `CLOCK_DURATIONS` entry."""
+    found = []
+    for plugin in document.get("plugins") or []:
+        parameters = plugin.get("parameters") or {}
+        if any(plugin.get("type") == kind and name in parameters for kind, name in CLOCK_DURATIONS):
+            found.append(parameters)
+    return found
+
+
+def _has_clock_durations(config: Path) -> bool:
+    return bool(_clock_durations(yaml.safe_load(config.read_text(encoding="utf-8")) or {}))
+
+
 def ttl_scale(config: Path, options: RunOptions) -> float:
-    """What the config's flow-control TTLs are multiplied by in this run: the time
-    scale (wall seconds per simulated second) when `options.scale_ttl` and the
-    config turns flow control on, else 1."""
-    if not options.scale_ttl or options.time_scale == 1.0 or flow_control_ttl(config) is None:
+    """What the config's durations on the EPP's clock (flow control's TTLs, the
+    `CLOCK_DURATIONS`) are multiplied by in this run: the time scale (wall seconds
+    per simulated second) when `options.scale_ttl` and the config has one, else 1."""
+    if not options.scale_ttl or options.time_scale == 1.0:
+        return 1.0
+    if flow_control_ttl(config) is None and not _has_clock_durations(config):
         return 1.0
     return options.time_scale
 
 
 def scaled_config(text: str, scale: float) -> str:
-    """An EndpointPickerConfig with its flow-control TTLs (`defaultRequestTTL`, 60 s
-    when unset, and `noEndpointRequestTTL` when set) multiplied by `scale`. The EPP
-    runs on wall time while the pods run `scale` times slower than real time: a TTL
-    of 30 s would be 30 / scale simulated seconds, so a run at --time-scale 10 would
-    shed after 3 s of simulated waiting what the lab lets wait 30."""
+    """An EndpointPickerConfig with its durations on the EPP's clock multiplied by
+    `scale`: flow control's TTLs (`defaultRequestTTL`, 60 s when unset, and
+    `noEndpointRequestTTL` when set) when its gate is on, and the plugin parameters
+    of `CLOCK_DURATIONS`. The EPP runs on wall time while the pods run `scale` times
+    slower than real time: a TTL of 30 s would be 30 / scale simulated seconds, so a
+    run at --time-scale 10 would shed after 3 s of simulated waiting what the lab
+    lets wait 30."""
     document = yaml.safe_load(text)
-    section = document.setdefault("flowControl", {}) or {}
-    document["flowControl"] = section
-    for key, default in (("defaultRequestTTL", "60s"), ("noEndpointRequestTTL", None)):
-        value = section.get(key, default)
-        if value is not None:
-            section[key] = f"{parse_duration(str(value)) * scale:g}s"
+    gates, _ = feature_gates(document.get("featureGates"), Problems())
+    if gates.get("flowControl"):
+        section = document.setdefault("flowControl", {}) or {}
+        document["flowControl"] = section
+        for key, default in (("defaultRequestTTL", "60s"), ("noEndpointRequestTTL", None)):
+            value = section.get(key, default)
+            if value is not None:
+                section[key] = f"{parse_duration(str(value)) * scale:g}s"
+    for parameters in _clock_durations(document):
+        for _, name in CLOCK_DURATIONS:
+            if name in parameters:
+                parameters[name] = float(parameters[name]) * scale
     dumped: str = yaml.safe_dump(document, sort_keys=False)
     return dumped
 
 
 def epp_config_file(config: Path, options: RunOptions, workdir: Path) -> Path:
-    """The config file `epp serve` gets: the policy's own, or its copy with scaled
-    TTLs (`scaled_config`) in `workdir`."""
+    """The config file `epp serve` gets: the policy's own, or its copy with its
+    durations on the EPP's clock scaled (`scaled_config`) in `workdir`."""
     scale = ttl_scale(config, options)
     if scale == 1.0:
         return config
-    path = workdir / f"{config.stem}.ttl-x{scale:g}.yaml"
+    path = workdir / f"{config.stem}.clock-x{scale:g}.yaml"
     path.write_text(scaled_config(config.read_text(encoding="utf-8"), scale), encoding="utf-8")
     return path
 
@@ -1140,6 +1170,13 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
                 p.name: ttl_scale(p.config, options)
                 for p in options.policies
                 if p.config is not None and flow_control_ttl(p.config) is not None
+            },
+            # The config's other durations on the EPP's clock (`CLOCK_DURATIONS`),
+            # in wall seconds = the config's x this.
+            "clock_duration_scale": {
+                p.name: ttl_scale(p.config, options)
+                for p in options.policies
+                if p.config is not None and _has_clock_durations(p.config)
             },
         },
         "workload": {**workload.describe(), "prompt_tokens": bounds.prompt_tokens},

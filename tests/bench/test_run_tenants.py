@@ -28,6 +28,7 @@ from bench.runner import (
     scaled_config,
     tenants_of_run,
     tenants_window,
+    ttl_scale,
     waited_by_objective,
 )
 from bench.stack import check_queue_wait, envoy_config, queue_wait_timeouts
@@ -159,6 +160,33 @@ def test_the_ttl_is_scaled_to_simulated_seconds() -> None:
     assert scaled == original
     unset = yaml.safe_load(scaled_config("featureGates: [flowControl]\n", 2.0))
     assert unset["flowControl"]["defaultRequestTTL"] == "120s"  # llm-d's 60 s default
+
+
+def test_the_busy_time_of_the_work_weight_is_scaled_as_a_ttl(tmp_path: Path) -> None:
+    """The scorer's `workWeightBusyForS` is a duration on the EPP's clock: at time
+    scale 15, 5 s of the pods' time is 75 wall seconds. A config with no flow control
+    gets no flowControl section."""
+    profile = ROOT / "bench" / "profiles" / "predicted-ttft-busy-time.yaml"
+    text = profile.read_text()
+    scaled = yaml.safe_load(scaled_config(text, 15.0))
+    original = yaml.safe_load(text)
+
+    def scorer(document: dict[str, Any]) -> dict[str, Any]:
+        return next(p for p in document["plugins"] if p["type"] == "predicted-ttft-scorer")
+
+    assert scorer(original)["parameters"]["workWeightBusyForS"] == 5
+    assert scorer(scaled)["parameters"].pop("workWeightBusyForS") == 75.0
+    scorer(original)["parameters"].pop("workWeightBusyForS")
+    assert scaled == original  # the rest as it was, and no flowControl added
+    policy = resolve_policy(str(profile))
+    options = RunOptions(
+        out=tmp_path, workload=WorkloadSpec("shared-prefix"), policies=[policy], ladder=[]
+    )
+    options.time_scale = 15.0
+    assert ttl_scale(profile, options) == 15.0
+    assert ttl_scale(ROOT / "manifests" / "config" / "default.yaml", options) == 1.0
+    options.scale_ttl = False
+    assert ttl_scale(profile, options) == 1.0
 
 
 # -- the EPP's metrics and the tenant summary ---------------------------------------------

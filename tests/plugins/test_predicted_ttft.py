@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from epp.plugins.predicted_ttft_producer import (
     PredictedTtftProducer,
     predicted_ttft_key,
 )
-from epp.plugins.predicted_ttft_scorer import PredictedTtftScorer
+from epp.plugins.predicted_ttft_scorer import BusyTime, PredictedTtftScorer
 from epp.plugins.predicted_ttft_slo_filter import PredictedTtftSloFilter
 from prometheus_client import CollectorRegistry
 
@@ -702,6 +703,9 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
     for bad_share in (1.0, -0.1, "most"):
         with pytest.raises(InvalidConfig, match="workWeightBusyFrom"):
             load(one_plugin_config("predicted-ttft-scorer", {"workWeightBusyFrom": bad_share}))
+    for bad_time in (0.0, -5.0, "long"):
+        with pytest.raises(InvalidConfig, match="workWeightBusyForS"):
+            load(one_plugin_config("predicted-ttft-scorer", {"workWeightBusyForS": bad_time}))
     with pytest.raises(InvalidConfig, match="tieMaxMs"):
         load(one_plugin_config("predicted-ttft-scorer", {"tieMaxMs": -1.0}))
     with pytest.raises(InvalidConfig, match="newPrefixTieMaxMs"):
@@ -800,6 +804,65 @@ def test_the_work_weight_counts_the_prefill_a_miss_adds_on_a_busy_fleet(
         assert explained[e]["costMs"] == pytest.approx(
             explained[e]["predictedTtftMs"] + (work_weight - 1.0) * share * counted[e], abs=0.01
         )
+
+
+def test_the_busy_time_is_the_share_of_recent_time_the_fleet_was_busy() -> None:
+    """An exponential average on the clock, each pick's state held until the next."""
+    busy = BusyTime()
+    assert busy.update(True, 10.0, 5.0) == 0.0  # nothing before the first pick
+    one = 1.0 - math.exp(-1.0)
+    assert busy.update(True, 15.0, 5.0) == pytest.approx(one)  # busy one time constant
+    # Idle from 15 on, but busy from 10 to 15 is what 15 to 20 saw before it.
+    assert busy.update(False, 20.0, 5.0) == pytest.approx(1.0 - math.exp(-2.0))
+    assert busy.update(False, 25.0, 5.0) == pytest.approx((1.0 - math.exp(-2.0)) / math.e)
+    # A clock read out of order (an earlier time) changes nothing but the state.
+    assert busy.update(True, 24.0, 5.0) == pytest.approx((1.0 - math.exp(-2.0)) / math.e)
+
+
+def test_with_a_busy_time_the_work_weight_waits_until_the_fleet_has_stayed_busy() -> None:
+    """The setup of the work weight's test (a holds 95 of 100 blocks behind thirty
+    prefills, b nothing behind one short one), and c idle: the fleet counts as busy
+    while at least three quarters of the candidates queue. The extra is nothing
+    until the fleet has been busy half the recent time (a time constant of 1 ms,
+    so that the queues barely drain while the test moves the clock) and all of it
+    once busy throughout; one idle pick does not take it away, a while idle does."""
+    fleet = Fleet(
+        scorer=PredictedTtftScorer.Parameters(
+            work_weight=4.0, work_weight_busy_from=0.75, work_weight_busy_for_s=0.001
+        )
+    )
+    a, b, c = make_endpoints(3)
+    for _ in range(30):
+        fleet.route(a, {a: 95.0})
+    decoding, cycle = fleet.route(b, {b: 45.0})
+    fleet.producer.response_first_chunk(
+        decoding, cycle, routed(("default", b)), fleet.seconds(cycle, b)
+    )
+    fleet.route(b, {b: 99.0})
+
+    def pick(candidates: list[Endpoint]) -> tuple[Endpoint, float]:
+        _, cycle = fleet.cycle({a: 95.0})
+        assert fleet.seconds(cycle, b) * 1.25 + 0.001 < fleet.seconds(cycle, a)
+        scores = fleet.scorer.score(request(PROMPT), cycle, candidates)
+        notes = cycle.get(EXPLAIN_NOTES)
+        assert notes is not None
+        share = notes["predicted-ttft-scorer"][a.name]["workWeightShare"]
+        (best,) = [e for e, v in scores.items() if v == 1.0]
+        return best, share
+
+    assert pick([a, b]) == (b, 0.0)  # every pod queues, but only since now: greedy
+    fleet.clock.advance(0.01)  # ten time constants busy
+    best, share = pick([a, b])
+    assert best is a
+    assert share == pytest.approx(1.0, abs=1e-3)
+    # c idles: two of three queue, not busy; the fleet was busy until now. (c wins
+    # either way: with three pods a's tokens in flight make it crowded.)
+    assert pick([a, b, c])[1] == pytest.approx(1.0, abs=1e-3)
+    fleet.clock.advance(0.01)  # ten time constants with c idle
+    assert pick([a, b, c])[1] == pytest.approx(0.0, abs=1e-3)
+    best, share = pick([a, b])  # every pod queues again, since now
+    assert best is b
+    assert share == pytest.approx(0.0, abs=1e-3)
 
 
 def test_the_prompt_tokens_decoding_on_a_pod_are_counted_from_first_token_to_end() -> None:
