@@ -80,7 +80,7 @@ system prompt): its prefix is not half of it. Only the approximate prefix
 producer counts the demand; with another, no prompt is hot (docs/routing.md,
 The queue's weight).
 
-`workWeight` (1.0: off; the lab profile predicted-ttft-work8 sets 8) counts the
+`workWeight` (1.0: off; the default profile sets 8, gated as below) counts the
 request's own prefill up to that many times when pods are compared, the extra in
 proportion to the share of candidates with prefill queued: on a busy fleet, a
 prefill the pick adds (a miss where a pod holds the prefix) also delays every
@@ -91,22 +91,23 @@ extra, or a hot prompt's holders would win every comparison until their queues
 outgrew several whole prefills elsewhere. On the whole Mooncake trace at 0.95 of
 capacity it lowers the p90 by more than half (docs/routing.md, The work's weight).
 With `workWeightBusyFrom` (0.0: the extra in proportion to the busy share, as
-above) the extra is nothing until that share of the candidates have prefill
-queued and grows to all of it when every one has: a fleet with pods idle has
-room for a miss's prefill, and only once every pod queues does the work a miss
-adds fall behind what arrives. On the Mooncake trace most pods but not all
-queue at 0.8 of capacity, and all of them once the fleet falls behind at 0.95;
-through Envoy on 8 pods, shared prefixes queue every pod in bursts, and the
-weight then costs them (docs/routing.md, The work's weight).
-`workWeightBusyForS` (none: off) tells a fleet that has fallen behind from such
-a burst: the scorer keeps, on its clock, the share of the last that many seconds
-(an exponential average with that time constant) during which at least
-`workWeightBusyFrom` of the candidates had prefill queued, and the extra is
-nothing until that share reaches one half and all of it when the fleet has been
-busy throughout. A burst shorter than the time constant never turns the weight
-on; a fleet that stays behind for longer does (the Mooncake trace at 0.95 of
-capacity). The clock is the EPP's: a benchmark whose pods run slower than real
-time must scale it (`bench run` does).
+above; the default profile sets 0.8) the extra is nothing until that share of
+the candidates have prefill queued and grows to all of it when every one has: a
+fleet with pods idle has room for a miss's prefill, and only once every pod
+queues does the work a miss adds fall behind what arrives. On the Mooncake trace
+most pods but not all queue at 0.8 of capacity, and all of them once the fleet
+falls behind at 0.95; through Envoy on 8 pods, shared prefixes queue every pod
+in bursts, and the weight then costs them (docs/routing.md, The work's weight).
+`workWeightBusyForS` (none: off; the default profile sets 5) tells a fleet that
+has fallen behind from such a burst: the scorer keeps, on its clock, the share
+of the last that many seconds (an exponential average with that time constant)
+during which at least `workWeightBusyFrom` of the candidates had prefill queued,
+and the extra is nothing until that share reaches one half and all of it when
+the fleet has been busy throughout. Busy from a quiet start, the fleet needs
+the time constant times ln 2 before the weight acts at all: a burst shorter than
+that changes no pick; a fleet that stays behind for longer does (the Mooncake
+trace at 0.95 of capacity). The clock is the EPP's: a benchmark whose pods run
+slower than real time must scale it (`bench run` does).
 
 `decodeBalanceFactor` (none: off; the default profile sets 3) counts a pod as
 holding nothing of the prompt when the prompts it is decoding (the producer's

@@ -69,7 +69,8 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
 # cache window, the prefill weight's floor, the decode balance, the spread, the
-# tie cap, the faded queue weight and a hot prefix's own (docs/routing.md): it
+# tie cap, the faded queue weight, a hot prefix's own and the work weight once
+# the fleet has stayed busy (docs/routing.md): it
 # needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
 # was the default before.
 DEFAULT_CONFIG: Final = f"""\
@@ -91,6 +92,9 @@ plugins:
     queueWeight: 2
     queueWeightFade: true
     hotPrefixQueueWeight: 8
+    workWeight: 8
+    workWeightBusyFrom: 0.8
+    workWeightBusyForS: 5
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
 - name: default

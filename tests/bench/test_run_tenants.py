@@ -184,7 +184,9 @@ def test_the_busy_time_of_the_work_weight_is_scaled_as_a_ttl(tmp_path: Path) -> 
     )
     options.time_scale = 15.0
     assert ttl_scale(profile, options) == 15.0
-    assert ttl_scale(ROOT / "manifests" / "config" / "default.yaml", options) == 1.0
+    # The default sets it too; a config with neither it nor flow control is as written.
+    assert ttl_scale(ROOT / "manifests" / "config" / "default.yaml", options) == 15.0
+    assert ttl_scale(ROOT / "manifests" / "config" / "weighted.yaml", options) == 1.0
     options.scale_ttl = False
     assert ttl_scale(profile, options) == 1.0
 
