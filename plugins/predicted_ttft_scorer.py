@@ -101,8 +101,8 @@ in bursts, and the weight then costs them (docs/routing.md, The work's weight).
 `workWeightBusyForS` (none: off; the default profile sets 5) tells a fleet that
 has fallen behind from such a burst: the scorer keeps, on its clock, the share
 of the last that many seconds (an exponential average with that time constant)
-during which at least `workWeightBusyFrom` of the candidates had prefill queued,
-and the extra is nothing until that share reaches one half and all of it when
+during which at least `workWeightBusyFrom` of the candidates (and at least one)
+had prefill queued, and the extra is nothing until that share reaches one half and all of it when
 the fleet has been busy throughout. Busy from a quiet start, the fleet needs
 the time constant times ln 2 before the weight acts at all: a burst shorter than
 that changes no pick; a fleet that stays behind for longer does (the Mooncake
@@ -479,8 +479,9 @@ class PredictedTtftScorer:
             else:
                 # Only once the fleet has stayed busy: a burst that queues every
                 # pod for a moment passes before the work a miss adds matters.
+                # (At least one pod: from a share of 0, busy means any pod queues.)
                 held = self.busy_time.update(
-                    busy >= start, self.clock(), self.work_weight_busy_for_s
+                    busy >= start and busy > 0.0, self.clock(), self.work_weight_busy_for_s
                 )
                 share = min(1.0, max(0.0, 2.0 * held - 1.0))
             work_share = share

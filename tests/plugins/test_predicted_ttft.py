@@ -865,6 +865,30 @@ def test_with_a_busy_time_the_work_weight_waits_until_the_fleet_has_stayed_busy(
     assert share == pytest.approx(0.0, abs=1e-3)
 
 
+def test_from_a_busy_share_of_nothing_the_busy_time_counts_a_pod_queued() -> None:
+    """`workWeightBusyFrom: 0` with a busy time: an idle fleet is not busy, however
+    long it idles."""
+    fleet = Fleet(
+        scorer=PredictedTtftScorer.Parameters(work_weight=4.0, work_weight_busy_for_s=0.001)
+    )
+    a, b = make_endpoints(2)
+
+    def share_after_two_picks(apart_s: float) -> object:
+        for _ in range(2):
+            _, cycle = fleet.cycle({a: 95.0})
+            fleet.scorer.score(request(PROMPT), cycle, [a, b])
+            fleet.clock.advance(apart_s)
+        notes = cycle.get(EXPLAIN_NOTES)
+        assert notes is not None
+        return notes["predicted-ttft-scorer"][a.name]["workWeightShare"]
+
+    assert share_after_two_picks(0.01) == 0.0
+    fleet.route(b)  # b queues: half the pods, at least the share of nothing
+    share = share_after_two_picks(0.001)
+    assert isinstance(share, float)
+    assert share > 0.0
+
+
 def test_the_prompt_tokens_decoding_on_a_pod_are_counted_from_first_token_to_end() -> None:
     fleet = Fleet()
     (pod,) = make_endpoints(1)
