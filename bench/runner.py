@@ -952,13 +952,15 @@ def flow_control_ttl(config: Path) -> float | None:
 CLOCK_DURATIONS = (("predicted-ttft-scorer", "workWeightBusyForS"),)
 
 
-def _clock_durations(document: dict[str, Any]) -> list[dict[str, Any]]:
-    """The `parameters` of the config's plugins that set a `CLOCK_DURATIONS` entry."""
+def _clock_durations(document: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """(its plugin's `parameters`, its name) of each `CLOCK_DURATIONS` entry the
+    config sets."""
     found = []
     for plugin in document.get("plugins") or []:
         parameters = plugin.get("parameters") or {}
-        if any(plugin.get("type") == kind and name in parameters for kind, name in CLOCK_DURATIONS):
-            found.append(parameters)
+        for kind, name in CLOCK_DURATIONS:
+            if plugin.get("type") == kind and name in parameters:
+                found.append((parameters, name))
     return found
 
 
@@ -994,10 +996,8 @@ def scaled_config(text: str, scale: float) -> str:
             value = section.get(key, default)
             if value is not None:
                 section[key] = f"{parse_duration(str(value)) * scale:g}s"
-    for parameters in _clock_durations(document):
-        for _, name in CLOCK_DURATIONS:
-            if name in parameters:
-                parameters[name] = float(parameters[name]) * scale
+    for parameters, name in _clock_durations(document):
+        parameters[name] = float(parameters[name]) * scale
     dumped: str = yaml.safe_dump(document, sort_keys=False)
     return dumped
 
