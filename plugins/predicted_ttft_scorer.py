@@ -239,8 +239,8 @@ def _charged_a_miss(
 class BusyTime:
     """The share of recent time the fleet was busy: an exponential average, on the
     clock, of whether it was at each pick, each state held until the next pick
-    (time, not picks: a fleet that falls behind sees more picks per second than
-    one that keeps up). Starts at nothing, as a fleet that has just started."""
+    (time, not picks: a count of picks spans fewer seconds the more requests a
+    second the fleet gets). Starts at nothing, as a fleet that has just started."""
 
     share: float = 0.0
     busy: bool = False
