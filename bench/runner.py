@@ -968,7 +968,7 @@ def _has_clock_durations(config: Path) -> bool:
     return bool(_clock_durations(yaml.safe_load(config.read_text(encoding="utf-8")) or {}))
 
 
-def ttl_scale(config: Path, options: RunOptions) -> float:
+def clock_scale(config: Path, options: RunOptions) -> float:
     """What the config's durations on the EPP's clock (flow control's TTLs, the
     `CLOCK_DURATIONS`) are multiplied by in this run: the time scale (wall seconds
     per simulated second) when `options.scale_ttl` and the config has one, else 1."""
@@ -1005,7 +1005,7 @@ def scaled_config(text: str, scale: float) -> str:
 def epp_config_file(config: Path, options: RunOptions, workdir: Path) -> Path:
     """The config file `epp serve` gets: the policy's own, or its copy with its
     durations on the EPP's clock scaled (`scaled_config`) in `workdir`."""
-    scale = ttl_scale(config, options)
+    scale = clock_scale(config, options)
     if scale == 1.0:
         return config
     path = workdir / f"{config.stem}.clock-x{scale:g}.yaml"
@@ -1024,7 +1024,7 @@ def check_waits(policies: Sequence[Policy], options: RunOptions) -> None:
         ttl = flow_control_ttl(policy.config)
         if ttl is None:
             continue
-        ttl *= ttl_scale(policy.config, options)
+        ttl *= clock_scale(policy.config, options)
         wait = ttl + QUEUE_WAIT_HEADROOM_S
         try:
             check_queue_wait(envoy_config(listen_port=1, epp_port=1, admin_port=1), wait)
@@ -1167,14 +1167,14 @@ def run_benchmark(options: RunOptions) -> dict[str, Any]:
             "prefill_pods": options.prefill_pods,
             # Flow control's TTLs in wall seconds = the config's x this.
             "flow_control_ttl_scale": {
-                p.name: ttl_scale(p.config, options)
+                p.name: clock_scale(p.config, options)
                 for p in options.policies
                 if p.config is not None and flow_control_ttl(p.config) is not None
             },
             # The config's other durations on the EPP's clock (`CLOCK_DURATIONS`),
             # in wall seconds = the config's x this.
             "clock_duration_scale": {
-                p.name: ttl_scale(p.config, options)
+                p.name: clock_scale(p.config, options)
                 for p in options.policies
                 if p.config is not None and _has_clock_durations(p.config)
             },

@@ -102,11 +102,11 @@ in bursts, and the weight then costs them (docs/routing.md, The work's weight).
 has fallen behind from such a burst: the scorer keeps, on its clock, the share
 of the last that many seconds (an exponential average with that time constant)
 during which at least `workWeightBusyFrom` of the candidates (and at least one)
-had prefill queued, and the extra is nothing until that share reaches one half and all of it when
-the fleet has been busy throughout. Busy from a quiet start, the fleet needs
-the time constant times ln 2 before the weight acts at all: a burst shorter than
-that changes no pick; a fleet that stays behind for longer does (the Mooncake
-trace at 0.95 of capacity). The clock is the EPP's: a benchmark whose pods run
+had prefill queued, and the extra is nothing until that share reaches one half
+and all of it when the fleet has been busy throughout. Busy from a quiet start,
+the fleet needs the time constant times ln 2 before the weight acts at all: a
+burst shorter than that changes no pick; a fleet that stays behind for longer
+does (the Mooncake trace at 0.95 of capacity). The clock is the EPP's: a benchmark whose pods run
 slower than real time must scale it (`bench run` does).
 
 `decodeBalanceFactor` (none: off; the default profile sets 3) counts a pod as

@@ -20,6 +20,7 @@ from bench.runner import (
     Policy,
     RunOptions,
     check_waits,
+    clock_scale,
     combine_repeats,
     fleet_capacity_rps,
     flow_control_figures,
@@ -28,7 +29,6 @@ from bench.runner import (
     scaled_config,
     tenants_of_run,
     tenants_window,
-    ttl_scale,
     waited_by_objective,
 )
 from bench.stack import check_queue_wait, envoy_config, queue_wait_timeouts
@@ -183,12 +183,12 @@ def test_the_busy_time_of_the_work_weight_is_scaled_as_a_ttl(tmp_path: Path) -> 
         out=tmp_path, workload=WorkloadSpec("shared-prefix"), policies=[policy], ladder=[]
     )
     options.time_scale = 15.0
-    assert ttl_scale(profile, options) == 15.0
+    assert clock_scale(profile, options) == 15.0
     # The default sets it too; a config with neither it nor flow control is as written.
-    assert ttl_scale(ROOT / "manifests" / "config" / "default.yaml", options) == 15.0
-    assert ttl_scale(ROOT / "manifests" / "config" / "weighted.yaml", options) == 1.0
+    assert clock_scale(ROOT / "manifests" / "config" / "default.yaml", options) == 15.0
+    assert clock_scale(ROOT / "manifests" / "config" / "weighted.yaml", options) == 1.0
     options.scale_ttl = False
-    assert ttl_scale(profile, options) == 1.0
+    assert clock_scale(profile, options) == 1.0
 
 
 # -- the EPP's metrics and the tenant summary ---------------------------------------------
