@@ -20,6 +20,16 @@ what the pick does to the requests that follow. Ties are ranked
 3. then by those tokens in flight (llm-d's token load, mostly decoding
    requests): a prompt no pod holds goes where it adds the least.
 
+With `tieDecodeFactor` (none: off; the default profile sets 2.5), a pod decoding
+more than that many times the fleet's mean context (the producer's decoding
+tokens: the prompts of the requests it decodes) ranks, after the share of the
+prompt, below every pod that does not: a pod decoding long conversations that
+were hits has few uncached tokens in flight and would otherwise take new prompts
+while each of its decode steps reads several times a typical pod's context (the
+whole Mooncake trace at 0.8: new prompts went to the pod decoding 2.6 times the
+mean, whose answers then set the run's length; docs/routing.md, The decode load
+in a tie). A hit there keeps its rank: the share of the prompt comes first.
+
 Equal ranks score equal, and the picker draws among them. The tied pods score in
 (0.9, 1], the others 0.9 x best / predicted. For a prompt no pod holds half of,
 the tie is `newPrefixTolerance` (1.0) wide: where a new prompt group lands, its
@@ -276,6 +286,7 @@ class PredictedTtftScorer:
         tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         new_prefix_tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         spread_by_pod_requests: bool = False
+        tie_decode_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -300,6 +311,7 @@ class PredictedTtftScorer:
         self.decode_balance_factor = params.decode_balance_factor
         self.spread_factor = params.spread_factor
         self.spread_by_pod_requests = params.spread_by_pod_requests
+        self.tie_decode_factor = params.tie_decode_factor
         self.clock = context.clock
         self.tie_max_s = None if params.tie_max_ms is None else params.tie_max_ms / 1e3
         self.new_prefix_tie_max_s = (
@@ -567,8 +579,16 @@ class PredictedTtftScorer:
         def queue_units(e: Endpoint) -> int:
             return round(10 * queued[e] / work)
 
+        # With `tieDecodeFactor`: a pod decoding far more context than the fleet's
+        # mean ranks after the pods holding as much of the prompt that do not. Its
+        # requests were hits, so its tokens in flight read light, but every decode
+        # step there reads that context, and a request placed there decodes slowly.
+        slow_decode: set[Endpoint] = set()
+        if self.tie_decode_factor is not None:
+            context = {e: p.decoding_tokens for e, p in predicted.items()}
+            slow_decode = _above(context, self.tie_decode_factor)
         keys = {
-            e: (uncached_rank(e), queue_units(e), tokens[e])
+            e: (uncached_rank(e), e in slow_decode, queue_units(e), tokens[e])
             for e in endpoints
             if seconds[e] <= near
         }

@@ -136,6 +136,13 @@ def add_parser(commands: Any) -> None:
         help="tokenizer directory ('builtin': the simulator's own; default: the Qwen2.5 one"
         " of ../shared/testdata when present)",
     )
+    lab.add_argument(
+        "--save-requests",
+        action="store_true",
+        help="also write every run's requests, one JSON line each (the fields of bench"
+        " run's requests.jsonl, in virtual seconds), to OUT/requests/POLICY-seedN.jsonl:"
+        " for studies of single requests (which pod each went to, which ended the run)",
+    )
     lab.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -209,6 +216,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         out=args.out,
         command="python -m bench " + shlex.join(argv),
         progress=not args.no_progress and sys.stderr.isatty(),
+        save_requests=args.save_requests,
     )
     started = time.monotonic()
     try:

@@ -32,6 +32,7 @@ and decode legs pulling KV, per pod, from the engines' own counters.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import random
 import statistics
@@ -606,9 +607,11 @@ def run_once(
     seed: int,
     burst: int = 1,
     star_hits: Mapping[RequestKey, int] | None = None,
+    keep_records: bool = False,
 ) -> dict[str, Any]:
     """One policy on one seed, from cold; its `bench run`-shaped summary plus the
-    lab's own keys and the raw TTFTs (`ttfts_s`) and picks over time (`picks`).
+    lab's own keys and the raw TTFTs (`ttfts_s`) and picks over time (`picks`);
+    with `keep_records`, every request's `Record` too (`records`).
     With each request's h* hit tokens (`star_hits`, from `_bounds`), where its
     requests' TTFT went (bench/lab/breakdown.py); without, those keys are None."""
     wall = time.perf_counter()
@@ -687,6 +690,8 @@ def run_once(
         router.ttft_predictions
     )
     result["ttft_predictions"] = router.ttft_predictions
+    if keep_records:
+        result["records"] = run.records
     return result
 
 
@@ -790,6 +795,8 @@ class LabOptions:
     command: str
     progress: bool = False
     burst: int = 1  # Poisson arrivals in bursts of this many sessions
+    # Write every run's requests to out/requests/<policy>-seed<seed>.jsonl.
+    save_requests: bool = False
 
 
 @dataclass(frozen=True)
@@ -1000,7 +1007,12 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
                     seed,
                     options.burst,
                     star_hits[seed],
+                    keep_records=options.save_requests,
                 )
+                if options.save_requests:
+                    write_requests(
+                        result.pop("records"), options.out / "requests", policy.name, seed
+                    )
                 result["seed"] = seed
                 result.update(policy.describe())
                 runs[policy.name].append(result)
@@ -1042,6 +1054,18 @@ def run_lab(options: LabOptions) -> dict[str, Any]:
     }
     write_outputs(document, options.out)
     return document
+
+
+def write_requests(records: Sequence[Record], directory: Path, policy: str, seed: int) -> Path:
+    """One run's requests, one JSON line each in the order they were scheduled (the
+    fields of `bench run`'s requests.jsonl; times in virtual seconds), to
+    `directory`/<policy>-seed<seed>.jsonl; returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{policy}-seed{seed}.jsonl"
+    with path.open("w") as out:
+        for record in records:
+            out.write(json.dumps(record.to_json()) + "\n")
+    return path
 
 
 def _natural_rate(workload: LabWorkload) -> float:

@@ -22,6 +22,7 @@ from bench.lab.run import (
     restart_schedule,
     run_lab,
 )
+from bench.stats import percentile
 from bench.workloads import Words, WorkloadSpec, default_tokenizer_dir
 
 SMALL = {
@@ -138,6 +139,38 @@ def test_a_config_outside_the_checkout_runs_and_is_recorded_by_its_name(
     assert main(argv) == 0
     runs = json.loads((out / "results.json").read_text())["policies"]["mine"]["runs"]
     assert [run["config"] for run in runs] == ["mine.yaml"]
+
+
+def test_save_requests_writes_each_runs_requests_beside_its_results(
+    tmp_path: Path, qwen_words: Words
+) -> None:
+    out = tmp_path / "requests"
+    argv = ["lab", "--pods", "2", "--seeds", "2", "--groups", "2", "--prompts-per-group", "3",
+            "--system-len", "32", "--question-len", "8", "--output-len", "4",
+            "--policy", "round-robin", "--policy", "default", "--out", str(out),
+            "--no-progress", "--save-requests"]  # fmt: skip
+    assert main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    files = sorted(p.name for p in (out / "requests").iterdir())
+    assert files == [f"{policy}-seed{seed}.jsonl" for policy in ("default", "round-robin")
+                     for seed in (0, 1)]  # fmt: skip
+    for policy in ("default", "round-robin"):
+        for run in document["policies"][policy]["runs"]:
+            lines = (out / "requests" / f"{policy}-seed{run['seed']}.jsonl").read_text()
+            requests = [json.loads(line) for line in lines.splitlines()]
+            # Every request of the run, each as it was served: its TTFT is the run's.
+            assert len(requests) == run["requests"] == 6
+            assert all(r["ok"] and r["pod"] in ("pod-0", "pod-1") for r in requests)
+            ttfts = sorted(r["ttft_s"] for r in requests)
+            assert percentile(ttfts, 0.9) == pytest.approx(run["ttft_p90_s"])
+            assert [r["scheduled_s"] for r in requests] == sorted(
+                r["scheduled_s"] for r in requests
+            )
+            assert "records" not in run  # written out, not kept in results.json
+    # Without the flag, no requests are written.
+    plain = tmp_path / "plain"
+    assert main([*argv[:-3], str(plain), "--no-progress"]) == 0
+    assert not (plain / "requests").exists()
 
 
 def test_every_delay_has_its_flag_and_the_flags_set_them(tmp_path: Path, qwen_words: Words) -> None:
