@@ -20,15 +20,16 @@ what the pick does to the requests that follow. Ties are ranked
 3. then by those tokens in flight (llm-d's token load, mostly decoding
    requests): a prompt no pod holds goes where it adds the least.
 
-With `tieDecodeFactor` (none: off; the default profile sets 2.5), a pod decoding
-more than that many times the fleet's mean context (the producer's decoding
-tokens: the prompts of the requests it decodes) ranks, after the share of the
-prompt, below every pod that does not: a pod decoding long conversations that
-were hits has few uncached tokens in flight and would otherwise take new prompts
-while each of its decode steps reads several times a typical pod's context (the
-whole Mooncake trace at 0.8: new prompts went to the pod decoding 2.6 times the
-mean, whose answers then set the run's length; docs/routing.md, The decode load
-in a tie). A hit there keeps its rank: the share of the prompt comes first.
+With `tieDecodeFactor` (none: off; the lab profile predicted-ttft-decode-tie
+sets 2.5), a pod decoding more than that many times the fleet's mean context
+(the producer's decoding tokens: the prompts of the requests it decodes) ranks,
+after the share of the prompt and the queue, below every pod that does not. A
+pod decoding long conversations that were hits has few uncached tokens in flight
+and would otherwise take new prompts while each of its decode steps reads several
+times a typical pod's context (the whole Mooncake trace at 0.8: new prompts went
+to the pod decoding 2.6 times the mean, whose answers then set the run's length;
+docs/routing.md, The decode load in a tie). A hit there keeps its rank, and no
+request joins a queue for it.
 
 Equal ranks score equal, and the picker draws among them. The tied pods score in
 (0.9, 1], the others 0.9 x best / predicted. For a prompt no pod holds half of,
@@ -580,15 +581,17 @@ class PredictedTtftScorer:
             return round(10 * queued[e] / work)
 
         # With `tieDecodeFactor`: a pod decoding far more context than the fleet's
-        # mean ranks after the pods holding as much of the prompt that do not. Its
-        # requests were hits, so its tokens in flight read light, but every decode
-        # step there reads that context, and a request placed there decodes slowly.
+        # mean ranks after the pods with as much of the prompt and of a queue that
+        # do not. Its requests were hits, so its tokens in flight read light, but
+        # every decode step there reads that context, and a request placed there
+        # decodes slowly. (Not before the queue: while the fleet's mean is a
+        # request or two, any pod decoding one is far above it.)
         slow_decode: set[Endpoint] = set()
         if self.tie_decode_factor is not None:
             context = {e: p.decoding_tokens for e, p in predicted.items()}
             slow_decode = _above(context, self.tie_decode_factor)
         keys = {
-            e: (uncached_rank(e), e in slow_decode, queue_units(e), tokens[e])
+            e: (uncached_rank(e), queue_units(e), e in slow_decode, tokens[e])
             for e in endpoints
             if seconds[e] <= near
         }

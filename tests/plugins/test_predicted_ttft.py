@@ -314,27 +314,35 @@ def test_a_new_prompt_goes_to_the_pod_with_the_fewest_tokens_in_flight() -> None
     assert 0.9 < scores[c] < scores[b] < 1.0
 
 
-@pytest.mark.parametrize(("factor", "a_first"), [(None, True), (2.5, False), (3.0, True)])
-def test_tie_decode_factor_ranks_a_pod_decoding_far_more_context_last(
+@pytest.mark.parametrize(("factor", "a_first"), [(None, True), (2.5, False), (3.5, True)])
+def test_tie_decode_factor_ranks_a_pod_decoding_far_more_context_after_the_others(
     factor: float | None, a_first: bool
 ) -> None:
     """a decodes six requests that were hits (95 of their 100 blocks cached: 200
     uncached tokens each, 4,000 of context each), b, c and d one miss each (4,000
-    uncached, 4,000 of context). a's context is 24,000, 2.67 times the mean of
-    9,000, but its tokens in flight are the fewest (1,200 against 4,000)."""
+    uncached, 4,000 of context), and e has a whole prefill queued, nothing decoding.
+    a's context is 24,000, 3.33 times the mean of 7,200, but its tokens in flight
+    are the fewest (1,200 against 4,000)."""
     fleet = Fleet(scorer=PredictedTtftScorer.Parameters(tie_decode_factor=factor))
-    a, b, c, d = make_endpoints(4)
+    a, b, c, d, e = make_endpoints(5)
     for pod, count, matched in ((a, 6, 95.0), (b, 1, 0.0), (c, 1, 0.0), (d, 1, 0.0)):
         for _ in range(count):
             req, cycle = fleet.route(pod, {pod: matched})
             fleet.producer.response_first_chunk(req, cycle, routed(("default", pod)), 0.03)
+    fleet.route(e)
     _, fresh = fleet.cycle({})
-    assert fleet.seconds(fresh, a) <= 2 * fleet.seconds(fresh, b)  # a new prompt's tie
-    scores = fleet.scorer.score(request(PROMPT), fresh, [a, b, c, d])
+    pods = [a, b, c, d, e]
+    assert max(fleet.seconds(fresh, p) for p in pods) <= 2 * min(
+        fleet.seconds(fresh, p) for p in pods
+    )  # all in a new prompt's tie
+    scores = fleet.scorer.score(request(PROMPT), fresh, pods)
     if a_first:
-        assert scores[a] == 1.0 > scores[b] == scores[c] == scores[d] > 0.9
+        assert scores[a] == 1.0 > scores[b] == scores[c] == scores[d] > scores[e] > 0.9
     else:
         assert scores[b] == scores[c] == scores[d] == 1.0 > scores[a] > 0.9
+    # A pod with a prefill queued ranks after it all the same: the decode load is
+    # ranked after the queue, and e has no context decoding.
+    assert scores[e] < scores[a]
 
 
 def test_a_tie_decode_factor_of_one_or_less_is_refused() -> None:
