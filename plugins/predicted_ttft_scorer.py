@@ -20,14 +20,14 @@ what the pick does to the requests that follow. Ties are ranked
 3. then by those tokens in flight (llm-d's token load, mostly decoding
    requests): a prompt no pod holds goes where it adds the least.
 
-With `tieDecodeFactor` (none: off; the lab profile predicted-ttft-decode-tie
-sets 2.5), a pod decoding more than that many times the fleet's mean context
-(the producer's decoding tokens: the prompts of the requests it decodes) ranks,
-after the share of the prompt and the queue, below every pod that does not. A
-pod decoding long conversations that were hits has few uncached tokens in flight
-and would otherwise take new prompts while each of its decode steps reads several
-times a typical pod's context (the whole Mooncake trace at 0.8: new prompts went
-to the pod decoding 2.6 times the mean, whose answers then set the run's length;
+With `tieDecodeFactor` (none: off; the default profile sets 2.5), a pod decoding
+more than that many times the fleet's mean context (the producer's decoding
+tokens: the prompts of the requests it decodes) ranks, after the share of the
+prompt and the queue, below every pod that does not. A pod decoding long
+conversations that were hits has few uncached tokens in flight and would
+otherwise take new prompts while each of its decode steps reads several times a
+typical pod's context (the whole Mooncake trace at 0.8: new prompts went to the
+pod decoding several times the mean, whose answers then set the run's length;
 docs/routing.md, The decode load in a tie). A hit there keeps its rank, and no
 request joins a queue for it.
 

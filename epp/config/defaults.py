@@ -69,8 +69,8 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
 # cache window, the prefill weight's floor, the decode balance, the spread, the
-# tie cap, the faded queue weight, a hot prefix's own and the work weight once
-# the fleet has stayed busy (docs/routing.md): it
+# tie cap, the faded queue weight, a hot prefix's own, the work weight once
+# the fleet has stayed busy and the decode load in a tie (docs/routing.md): it
 # needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
 # was the default before.
 DEFAULT_CONFIG: Final = f"""\
@@ -95,6 +95,7 @@ plugins:
     workWeight: 8
     workWeightBusyFrom: 0.8
     workWeightBusyForS: 5
+    tieDecodeFactor: 2.5
 - type: {DEFAULT_PICKER}
 schedulingProfiles:
 - name: default
