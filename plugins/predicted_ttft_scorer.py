@@ -445,12 +445,16 @@ class PredictedTtftScorer:
         # Both the work weight and the tie rank count such a pod as holding nothing.
         tokens = {e: p.tokens_in_flight for e, p in predicted.items()}
         crowded = _above(tokens, self.balance_factor)
+        # The prompt tokens each pod decodes (the context its decode steps read):
+        # the decode balance and the decode tie both compare them to their mean.
+        context: dict[Endpoint, int] = {}
+        if self.decode_balance_factor is not None or self.tie_decode_factor is not None:
+            context = {e: p.decoding_tokens for e, p in predicted.items()}
         if self.decode_balance_factor is not None:
             # Decode-heavy: the contexts this pod decodes are far above the fleet's
             # mean, so every stream there steps slowly; a hit there is charged as a
             # miss, so requests that chase it go where decoding is lighter (some pod
             # always is: none is above k > 1 times the mean of them all).
-            context = {e: p.decoding_tokens for e, p in predicted.items()}
             heavy = _above(context, self.decode_balance_factor)
             # In proportion to the pods with no prefill queued, as the queue weight:
             # when every pod queues, the fleet has no room for the prefill a miss adds.
@@ -588,7 +592,6 @@ class PredictedTtftScorer:
         # request or two, any pod decoding one is far above it.)
         slow_decode: set[Endpoint] = set()
         if self.tie_decode_factor is not None:
-            context = {e: p.decoding_tokens for e, p in predicted.items()}
             slow_decode = _above(context, self.tie_decode_factor)
         keys = {
             e: (uncached_rank(e), queue_units(e), e in slow_decode, tokens[e])
