@@ -64,6 +64,11 @@ the prediction, at a weight the model fits, the requests this EPP has queued on
 the pod whose first token was due and has not come: a pod fallen behind (a full
 KV cache) reads an empty queue otherwise (docs/routing.md, Predictions in
 overload).
+`relativeFit` (false; the lab profile predicted-ttft-relative-fit sets it): fit
+the model by weighted least squares, each observation weighted by the inverse
+of its predicted TTFT, so that the seconds-long waits of a fleet in overload,
+whose noise is seconds too, do not pull the weights the short TTFTs are
+predicted with (epp/ttft/model.py; docs/routing.md, Predictions in overload).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
@@ -332,6 +337,7 @@ class PredictedTtftProducer:
         waiting_beyond_own: bool = False
         min_prefill_weight_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1000.0)] = 0.0
         count_overdue: bool = False
+        relative_fit: bool = False
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -343,7 +349,9 @@ class PredictedTtftProducer:
         lower = [0.0] * len(FEATURES)
         # The prefill feature is in thousands of tokens, its weight in seconds.
         lower[_PREFILL] = params.min_prefill_weight_ms / 1e3
-        self.model = OnlineTtftModel(forgetting=params.forgetting, lower=lower)
+        self.model = OnlineTtftModel(
+            forgetting=params.forgetting, lower=lower, relative=params.relative_fit
+        )
         self.waiting_beyond_own = params.waiting_beyond_own
         self.count_overdue = params.count_overdue
         self.adapt = params.pod_adapt_rate

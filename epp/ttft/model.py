@@ -64,6 +64,18 @@ no time, so the ledger charges nothing for it and every pod's queue reads empty
 weight gives up what the prefill weight is held at, and the predictions stay
 where they were.
 
+With `relative` set, each observation is weighted by the inverse of the TTFT
+predicted for it (weighted least squares): the noise of a TTFT grows with it (a
+request that waits seconds behind a full KV cache starts a second early or late
+for reasons no feature sees, a 50 ms one a few milliseconds), so an observation
+of seconds tells less about the weights than one of milliseconds, and an
+unweighted fit lets the long waits of a fleet in overload pull every weight
+their way, the short predictions with them. Scaling the observation and its
+features by sqrt(reference / predicted) is that weighting in the same update.
+The prediction, not the observed TTFT, sets the weight: weighting by the
+observation would favour the observations that came out short and bias every
+prediction low.
+
 The covariance is made symmetric again after every update: the features' scales
 differ by many orders of magnitude, and the rounding of the in-place update,
 left to accumulate, cost it its positive definiteness after a few thousand
@@ -75,6 +87,7 @@ prior, keeping the fit (`covariance_resets` counts it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -102,6 +115,11 @@ PRIOR_WEIGHTS: Final = (0.02, 1.0, 0.03, 0.001, 0.001, 0.05, 0.005, 0.05)
 # observations outweigh the prior.
 PRIOR_VARIANCE: Final = (1e-2, 1.0, 1e-2, 1e-4, 1e-4, 1e-2, 1e-4, 1e-2)
 OBSERVATION_ERROR_S: Final = 0.01
+# With `relative` fitting, an observation predicted at this TTFT keeps its
+# unweighted weight (so the prior weighs as much against it as unweighted), and
+# predictions below the floor weigh as much as one at the floor.
+RELATIVE_REFERENCE_S: Final = 0.1
+RELATIVE_FLOOR_S: Final = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +163,7 @@ class OnlineTtftModel:
         prior_variance: Sequence[float] = PRIOR_VARIANCE,
         clip: float = 4.0,
         lower: Sequence[float] | None = None,
+        relative: bool = False,
     ) -> None:
         if not 0.5 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0.5, 1], got {forgetting}")
@@ -155,6 +174,7 @@ class OnlineTtftModel:
             raise ValueError(f"lower needs {len(FEATURES)} finite bounds >= 0, got {lower}")
         self.forgetting = forgetting
         self.clip = clip
+        self.relative = relative
         self._fit = list(prior)  # the unconstrained least-squares estimate
         # What predictions use: the fit within its bounds (`within_bounds`).
         self.weights = [max(b, w) for b, w in zip(self.lower, prior, strict=True)]
@@ -185,6 +205,11 @@ class OnlineTtftModel:
         """Fit one observation (`x`, observed TTFT `y` seconds); returns the
         prediction it had before the update."""
         before = self.predict(x)
+        if self.relative:
+            # Weighted least squares, weight 1 / predicted (module docstring).
+            s = math.sqrt(RELATIVE_REFERENCE_S / max(before, RELATIVE_FLOOR_S))
+            x = [v * s for v in x]
+            y *= s
         residual = self._residual(x, y)
         scale = self._scale
         if scale is not None:

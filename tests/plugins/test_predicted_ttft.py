@@ -286,6 +286,13 @@ def test_a_prefill_floor_binds_only_below_what_the_fit_finds() -> None:
     assert floors[0.001, 15.0][1] > 0.0
 
 
+def test_relative_fit_reaches_the_model() -> None:
+    """`relativeFit` makes the producer's model weigh observations by their
+    prediction (tests/epp/ttft/test_model.py has what that does); off by default."""
+    assert Fleet().producer.model.relative is False
+    assert Fleet(relativeFit=True).producer.model.relative is True
+
+
 def test_a_slow_pod_is_learnt_and_avoided() -> None:
     fleet = Fleet()
     fast, slow = make_endpoints(2)
