@@ -555,9 +555,11 @@ class LabRun:
                     first_token_at - scheduled_at,
                 )
             )
-        if record.output_tokens > 1:
-            seen = now  # `done` runs when the last token reaches the client
-            self.tpots.append((seen - request.first_seen) / (record.output_tokens - 1))
+        # `done` runs when the last token reaches the client.
+        record.last_token_s = now - request.scheduled
+        tpot = record.tpot_s  # None without two tokens to time
+        if tpot is not None:
+            self.tpots.append(tpot)
         self.timing.last_done = max(self.timing.last_done, now)
         usage = Usage(record.prompt_tokens, record.output_tokens, record.cached_tokens)
         self.router.end(request.handle, usage, completed=True)

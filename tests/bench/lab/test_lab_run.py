@@ -163,6 +163,10 @@ def test_save_requests_writes_each_runs_requests_beside_its_results(
             assert all(r["ok"] and r["pod"] in ("pod-0", "pod-1") for r in requests)
             ttfts = sorted(r["ttft_s"] for r in requests)
             assert percentile(ttfts, 0.9) == pytest.approx(run["ttft_p90_s"])
+            # ... and its TPOT: the run's median is the requests'.
+            assert all(r["last_token_s"] >= r["ttft_s"] for r in requests)
+            tpots = sorted(r["tpot_s"] for r in requests)
+            assert percentile(tpots, 0.5) == pytest.approx(run["tpot_p50_s"])
             assert [r["scheduled_s"] for r in requests] == sorted(
                 r["scheduled_s"] for r in requests
             )
