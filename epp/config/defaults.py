@@ -68,7 +68,8 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
-# cache window, the prefill weight's floor, the decode balance, the spread, the
+# cache window, the prefill weight's floor, the fit weighted by the prediction,
+# the decode balance, the spread, the
 # tie cap, the faded queue weight, a hot prefix's own, the work weight once
 # the fleet has stayed busy and the decode load in a tie (docs/routing.md): it
 # needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
@@ -83,6 +84,7 @@ plugins:
 - type: predicted-ttft-producer
   parameters:
     minPrefillWeightMs: 15
+    relativeFit: true
 - type: predicted-ttft-scorer
   parameters:
     decodeBalanceFactor: 3
