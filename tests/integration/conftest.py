@@ -16,7 +16,7 @@ from bench.stack import (
     EppPorts,
     ManagedProcess,
     envoy_config,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
     write_endpoints_file,
@@ -104,7 +104,7 @@ def running_stack(
             ],
         )
         cleanup.callback(epp.stop)
-        envoy_port, admin_port = free_port(), free_port()
+        envoy_port, admin_port = free_ports(2)
         bootstrap = envoy_config(
             listen_port=envoy_port, epp_port=ports.grpc, admin_port=admin_port, lean=lean
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from bench.stack import (
     ManagedProcess,
     add_epp_listener,
     envoy_config,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
     write_endpoints_file,
@@ -69,9 +69,9 @@ class Route:
 
     name: str
     epp_port: int
+    port: int  # the listener's
     tls: dict[str, Any] | None = None  # the cluster's transport socket; None: plaintext
     fail_open: bool = False
-    port: int = field(default_factory=free_port)
     cluster: str = ""  # its ext_proc cluster in Envoy (for Envoy's stats)
     # The EPP's gRPC health port: Envoy health-checks the cluster there, in
     # plaintext even when the cluster talks TLS (as the Helm chart's Envoy does).
@@ -187,17 +187,20 @@ def security_stack(
             )
             cleanup.callback(process.stop)
             epps[name] = ports
+        # Envoy's ports drawn together, so no two of its listeners get the same
+        # one (drawn one at a time, two once did, and Envoy refused the config).
+        *listen_ports, admin_port = free_ports(len(routes) + 1)
         planned = [
             Route(
                 name,
                 epps[epp].grpc,
+                port,
                 tls,
                 fail_open,
                 health_port=epps[epp].health if name in health_checked else None,
             )
-            for name, epp, tls, fail_open in routes
+            for (name, epp, tls, fail_open), port in zip(routes, listen_ports, strict=True)
         ]
-        admin_port = free_port()
         envoy = start_envoy(envoy_with_routes(planned, admin_port), workdir / "envoy")
         cleanup.callback(envoy.stop)
         yield SecurityStack(

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.stack import envoy_config, free_port, start_envoy
+from bench.stack import envoy_config, free_ports, start_envoy
 from tests.integration.faults import Load, Outcome, precise_config, running, sim_pods
 
 DOWN_S = 1.5
@@ -42,12 +42,12 @@ async def test_the_epp_killed_under_load(tmp_path: Path) -> None:
         # More Envoys in front of the same EPP and pods, so one kill shows every
         # behaviour: FailOpen as it works, and `failure_mode_allow` alone with the
         # request body in FULL_DUPLEX_STREAMED, which Envoy does not honour.
-        open_port, duplex_port = free_port(), free_port()
+        open_port, open_admin, duplex_port, duplex_admin = free_ports(4)
         fail_open = start_envoy(
             envoy_config(
                 listen_port=open_port,
                 epp_port=stack.epp_ports[0].grpc,
-                admin_port=free_port(),
+                admin_port=open_admin,
                 failure_mode_allow=True,
                 fallback=[pod.address for pod in pods.pods.values()],
             ),
@@ -56,7 +56,7 @@ async def test_the_epp_killed_under_load(tmp_path: Path) -> None:
         duplex = envoy_config(
             listen_port=duplex_port,
             epp_port=stack.epp_ports[0].grpc,
-            admin_port=free_port(),
+            admin_port=duplex_admin,
             failure_mode_allow=True,
             fallback=[pod.address for pod in pods.pods.values()],
         )

@@ -36,7 +36,7 @@ from bench.stack import (
     ManagedProcess,
     add_epp_listener,
     envoy_config,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
     write_endpoints_file,
@@ -289,13 +289,15 @@ def running(
         )
         stack_ref: list[Stack] = []
         cleanup.callback(lambda: stack_ref[0].epp.stop() if stack_ref else epp.stop())
-        ports = {"shipped": free_port()}
+        # Envoy's ports drawn together: drawn one at a time, two can be the same.
+        drawn = free_ports(len(listeners) + 2)
+        ports = {"shipped": drawn[0]}
         bootstrap = envoy_config(
-            listen_port=ports["shipped"], epp_port=epp_ports.grpc, admin_port=free_port()
+            listen_port=ports["shipped"], epp_port=epp_ports.grpc, admin_port=drawn[1]
         )
         bootstrap["static_resources"]["listeners"][0]["name"] = "shipped"
-        for name in listeners:
-            ports[name] = free_port()
+        for name, port in zip(listeners, drawn[2:], strict=True):
+            ports[name] = port
             add_epp_listener(bootstrap, name, ports[name], epp_ports.grpc)
             listener = _listener(bootstrap, name)
             listener["address"]["socket_address"]["address"] = "127.0.0.1"

@@ -44,7 +44,7 @@ from bench.stack import (
     ManagedProcess,
     envoy_config,
     envoy_version,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
     write_endpoints_file,
@@ -210,7 +210,7 @@ def run(
             extra_args=["--max-body-bytes", str(MAX_BODY_BYTES)],
         )
         stop.callback(epp.stop)
-        listen, admin = free_port(), free_port()
+        listen, admin = free_ports(2)
         envoy = start_envoy(
             envoy_config(listen_port=listen, epp_port=ports.grpc, admin_port=admin), work
         )

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import zmq
 
-from bench.stack import free_port
+from bench.stack import free_ports
 from epp.clock import Clock, VirtualClock
 from epp.datastore import EndpointSpec
 from epp.kvindex.blockkeys import BlockKeys
@@ -321,7 +321,7 @@ async def test_an_endpoint_leaving_the_pool_is_purged(
 async def test_a_pod_replaced_on_the_same_ports_is_followed_afresh(
     pods: StartPod, harnesses: list[Harness]
 ) -> None:
-    kv_port, replay_port = free_port(), free_port()
+    kv_port, replay_port = free_ports(2)
     pod = await pods(kv_events_port=kv_port, replay_port=replay_port)
     harness = await start_harness(harnesses, [spec("a", pod)])
     await connected(harness, "a")
