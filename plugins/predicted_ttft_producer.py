@@ -64,7 +64,7 @@ the prediction, at a weight the model fits, the requests this EPP has queued on
 the pod whose first token was due and has not come: a pod fallen behind (a full
 KV cache) reads an empty queue otherwise (docs/routing.md, Predictions in
 overload).
-`relativeFit` (false; the lab profile predicted-ttft-relative-fit sets it): fit
+`relativeFit` (false; the default profile sets it): fit
 the model by weighted least squares, each observation weighted by the inverse
 of its predicted TTFT, so that the seconds-long waits of a fleet in overload,
 whose noise is seconds too, do not pull the weights the short TTFTs are
