@@ -63,7 +63,7 @@ from bench.stack import (
     ManagedProcess,
     Pods,
     envoy_config,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
 )
@@ -357,13 +357,13 @@ async def run_agreement_async(options: AgreementOptions) -> dict[str, Any]:
             )
         )
         processes.extend(epps)
-        listen = free_port()
+        listen, admin = free_ports(2)
         envoy = await asyncio.to_thread(
             start_envoy,
             envoy_config(
                 listen_port=listen,
                 epp_port=ports[0].grpc,
-                admin_port=free_port(),
+                admin_port=admin,
                 more_epp_ports=[p.grpc for p in ports[1:]],
             ),
             out / "envoy",

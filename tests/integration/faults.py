@@ -24,7 +24,7 @@ from bench.stack import (
     Pod,
     Pods,
     envoy_config,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
 )
@@ -141,10 +141,10 @@ def running(
 
         cleanup.callback(stop_epps)
         if envoy:
-            stack.envoy_port = free_port()
+            stack.envoy_port, admin_port = free_ports(2)
             stack.envoy = start_envoy(
                 envoy_config(
-                    listen_port=stack.envoy_port, epp_port=ports.grpc, admin_port=free_port()
+                    listen_port=stack.envoy_port, epp_port=ports.grpc, admin_port=admin_port
                 ),
                 workdir / "envoy",
             )

@@ -22,7 +22,7 @@ import pytest
 from bench.stack import (
     EppPorts,
     envoy_config,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
     start_sim,
@@ -77,7 +77,8 @@ def kube_stack(workdir: Path) -> Iterator[KubeStack]:
         kube = KubeApiThread(token="e2e-token", bookmark_interval_s=0.5).start()
         cleanup.callback(kube.stop)
         kubeconfig = kube.call(kube.api.kubeconfig, workdir / "kubeconfig")
-        port = free_port()
+        # Drawn together: the simulators may not have bound theirs when Envoy's are drawn.
+        port, envoy_port, admin_port = free_ports(3)
         sims = [start_sim(port, workdir, name, host=ip, wait=False) for name, ip in POD_IPS.items()]
         for sim in sims:
             cleanup.callback(sim.stop)
@@ -101,9 +102,8 @@ def kube_stack(workdir: Path) -> Iterator[KubeStack]:
             ],
         )  # fmt: skip
         cleanup.callback(epp.stop)
-        envoy_port = free_port()
         envoy = start_envoy(
-            envoy_config(listen_port=envoy_port, epp_port=ports.grpc, admin_port=free_port()),
+            envoy_config(listen_port=envoy_port, epp_port=ports.grpc, admin_port=admin_port),
             workdir,
         )
         cleanup.callback(envoy.stop)

@@ -24,7 +24,7 @@ from bench.stack import (
     EppPorts,
     ManagedProcess,
     envoy_config,
-    free_port,
+    free_ports,
     start_envoy,
     start_epp,
     write_endpoints_file,
@@ -70,7 +70,7 @@ class SimStack:
 @contextlib.contextmanager
 def sim_stack(workdir: Path, pods: int = 3) -> Iterator[SimStack]:
     with contextlib.ExitStack() as cleanup:
-        ports = {f"sim-{i}": free_port() for i in range(pods)}
+        ports = dict(zip((f"sim-{i}" for i in range(pods)), free_ports(pods), strict=True))
         # One request at a time per pod, so a few requests make a queue.
         sims = [
             ManagedProcess(
@@ -108,9 +108,9 @@ def sim_stack(workdir: Path, pods: int = 3) -> Iterator[SimStack]:
             ],
         )
         cleanup.callback(epp.stop)
-        envoy_port = free_port()
+        envoy_port, admin_port = free_ports(2)
         envoy = start_envoy(
-            envoy_config(listen_port=envoy_port, epp_port=epp_ports.grpc, admin_port=free_port()),
+            envoy_config(listen_port=envoy_port, epp_port=epp_ports.grpc, admin_port=admin_port),
             workdir,
         )
         cleanup.callback(envoy.stop)
