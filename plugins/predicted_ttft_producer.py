@@ -69,6 +69,10 @@ the model by weighted least squares, each observation weighted by the inverse
 of its predicted TTFT, so that the seconds-long waits of a fleet in overload,
 whose noise is seconds too, do not pull the weights the short TTFTs are
 predicted with (epp/ttft/model.py; docs/routing.md, Predictions in overload).
+`relativeFitFloorMs` (10): with `relativeFit`, predictions under that many
+milliseconds weigh as one of that many (the lab profile
+predicted-ttft-relative-floor sets 300: every TTFT under it weighs alike, and
+only longer ones less; docs/routing.md, Predictions in overload).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
@@ -107,7 +111,13 @@ from epp.scheduling import (
     prefix_match_key,
 )
 from epp.ttft.ledger import DEPARTURE_HORIZON_S, PodLedger
-from epp.ttft.model import FEATURES, OnlineTtftModel, TtftFeatures, attention_pairs
+from epp.ttft.model import (
+    FEATURES,
+    RELATIVE_FLOOR_S,
+    OnlineTtftModel,
+    TtftFeatures,
+    attention_pairs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +348,9 @@ class PredictedTtftProducer:
         min_prefill_weight_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1000.0)] = 0.0
         count_overdue: bool = False
         relative_fit: bool = False
+        relative_fit_floor_ms: Annotated[float, msgspec.Meta(gt=0.0, le=60000.0)] = (
+            RELATIVE_FLOOR_S * 1e3
+        )
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -350,7 +363,10 @@ class PredictedTtftProducer:
         # The prefill feature is in thousands of tokens, its weight in seconds.
         lower[_PREFILL] = params.min_prefill_weight_ms / 1e3
         self.model = OnlineTtftModel(
-            forgetting=params.forgetting, lower=lower, relative=params.relative_fit
+            forgetting=params.forgetting,
+            lower=lower,
+            relative=params.relative_fit,
+            relative_floor_s=params.relative_fit_floor_ms / 1e3,
         )
         self.waiting_beyond_own = params.waiting_beyond_own
         self.count_overdue = params.count_overdue

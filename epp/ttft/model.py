@@ -74,7 +74,10 @@ their way, the short predictions with them. Scaling the observation and its
 features by sqrt(reference / predicted) is that weighting in the same update.
 The prediction, not the observed TTFT, sets the weight: weighting by the
 observation would favour the observations that came out short and bias every
-prediction low.
+prediction low. Predictions under `relative_floor_s` weigh as one at the floor
+(10 ms unless set): the floor sets how far the shortest TTFTs are weighted up
+against the rest (tenfold at 10 ms against 100 ms; with the floor at 300 ms,
+every TTFT under it weighs alike).
 
 The covariance is made symmetric again after every update: the features' scales
 differ by many orders of magnitude, and the rounding of the in-place update,
@@ -115,9 +118,11 @@ PRIOR_WEIGHTS: Final = (0.02, 1.0, 0.03, 0.001, 0.001, 0.05, 0.005, 0.05)
 # observations outweigh the prior.
 PRIOR_VARIANCE: Final = (1e-2, 1.0, 1e-2, 1e-4, 1e-4, 1e-2, 1e-4, 1e-2)
 OBSERVATION_ERROR_S: Final = 0.01
-# With `relative` fitting, an observation predicted at this TTFT keeps its
+# With `relative` fitting, an observation predicted at this TTFT would keep its
 # unweighted weight (so the prior weighs as much against it as unweighted), and
-# predictions below the floor weigh as much as one at the floor.
+# predictions below the floor (`relative_floor_s`, this by default) weigh as much
+# as one at the floor: with a floor above the reference, every observation
+# weighs reference / floor of an unweighted one or less.
 RELATIVE_REFERENCE_S: Final = 0.1
 RELATIVE_FLOOR_S: Final = 0.01
 
@@ -164,6 +169,7 @@ class OnlineTtftModel:
         clip: float = 4.0,
         lower: Sequence[float] | None = None,
         relative: bool = False,
+        relative_floor_s: float = RELATIVE_FLOOR_S,
     ) -> None:
         if not 0.5 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0.5, 1], got {forgetting}")
@@ -174,7 +180,10 @@ class OnlineTtftModel:
             raise ValueError(f"lower needs {len(FEATURES)} finite bounds >= 0, got {lower}")
         self.forgetting = forgetting
         self.clip = clip
+        if not 0.0 < relative_floor_s < float("inf"):
+            raise ValueError(f"relative_floor_s must be a positive time, got {relative_floor_s}")
         self.relative = relative
+        self.relative_floor_s = relative_floor_s
         self._fit = list(prior)  # the unconstrained least-squares estimate
         # What predictions use: the fit within its bounds (`within_bounds`).
         self.weights = [max(b, w) for b, w in zip(self.lower, prior, strict=True)]
@@ -207,7 +216,7 @@ class OnlineTtftModel:
         before = self.predict(x)
         if self.relative:
             # Weighted least squares, weight 1 / predicted (module docstring).
-            s = math.sqrt(RELATIVE_REFERENCE_S / max(before, RELATIVE_FLOOR_S))
+            s = math.sqrt(RELATIVE_REFERENCE_S / max(before, self.relative_floor_s))
             x = [v * s for v in x]
             y *= s
         residual = self._residual(x, y)

@@ -291,6 +291,9 @@ def test_relative_fit_reaches_the_model() -> None:
     prediction (tests/epp/ttft/test_model.py has what that does); off by default."""
     assert Fleet().producer.model.relative is False
     assert Fleet(relativeFit=True).producer.model.relative is True
+    assert Fleet().producer.model.relative_floor_s == pytest.approx(0.01)
+    floored = Fleet(relativeFit=True, relativeFitFloorMs=300).producer.model
+    assert floored.relative_floor_s == pytest.approx(0.3)
 
 
 def test_a_slow_pod_is_learnt_and_avoided() -> None:
@@ -724,6 +727,9 @@ def test_without_the_producer_every_pod_scores_one_with_a_warning(
         ({"minPrefillWeightMs": -1.0}, "minPrefillWeightMs"),
         ({"minPrefillWeightMs": float("nan")}, "minPrefillWeightMs"),
         ({"minPrefillWeightMs": 1e9}, "minPrefillWeightMs"),
+        ({"relativeFitFloorMs": 0}, "relativeFitFloorMs"),
+        ({"relativeFitFloorMs": -5.0}, "relativeFitFloorMs"),
+        ({"relativeFitFloorMs": 1e9}, "relativeFitFloorMs"),
     ],
 )
 def test_bad_parameters_are_refused(parameters: dict[str, object], message: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from epp.ttft.model import (
     FEATURES,
+    RELATIVE_FLOOR_S,
     OnlineTtftModel,
     TtftFeatures,
     attention_pairs,
@@ -282,24 +283,31 @@ def _overload(rng: random.Random) -> tuple[TtftFeatures, float]:
     return _behind(rng) if rng.random() < 0.3 else _idle(rng)
 
 
-def test_a_relative_fit_keeps_short_predictions_right_beside_long_noisy_waits() -> None:
+@pytest.mark.parametrize("floor_s", [RELATIVE_FLOOR_S, 0.3])
+def test_a_relative_fit_keeps_short_predictions_right_beside_long_noisy_waits(
+    floor_s: float,
+) -> None:
     """Three requests in ten wait seconds, with an error of a second either way that
     no feature explains. Weighted by the inverse of their prediction, those waits
     do not pull the weights the idle pods' requests are predicted with: their p90
     error stays at their own noise on every seed; unweighted, the fixed cost
     follows the waits' noise and on one seed in eight the p90 error is several
-    times it."""
+    times it. The same with the floor at 300 ms, above every idle pod's TTFT
+    here (11-213 ms), so that those weigh alike: the waits of seconds still
+    weigh a tenth of them or less."""
     worst = {}
     for relative in (False, True):
         p90s = []
         for seed in range(8):
             rng = random.Random(seed)
-            model = OnlineTtftModel(relative=relative)
+            model = OnlineTtftModel(relative=relative, relative_floor_s=floor_s)
             _train(model, _overload, rng, 600)
             errors = _errors(model, _idle, rng, 300)
             p90s.append(errors[int(0.9 * len(errors))])
             if relative:
-                assert model.describe()["fixed"] == pytest.approx(0.008, rel=0.1)
+                # Weighted alike, the idle requests' noise moves it a little more.
+                rel = 0.1 if floor_s == RELATIVE_FLOOR_S else 0.15
+                assert model.describe()["fixed"] == pytest.approx(0.008, rel=rel)
         worst[relative] = max(p90s)
     assert worst[True] < 0.05
     assert worst[False] > 0.1
@@ -314,13 +322,16 @@ def _symmetric_noise(rng: random.Random) -> tuple[TtftFeatures, float, float]:
     return features, ttft, ttft * rng.uniform(0.5, 1.5)
 
 
+@pytest.mark.parametrize("floor_s", [RELATIVE_FLOOR_S, 0.3])
 @pytest.mark.parametrize("seed", range(5))
-def test_a_relative_fit_weighs_by_the_prediction_and_stays_unbiased(seed: int) -> None:
+def test_a_relative_fit_weighs_by_the_prediction_and_stays_unbiased(
+    seed: int, floor_s: float
+) -> None:
     """The weight comes from the prediction, not the observation: weighted by the
     observed TTFT, the observations that came out short would count more and
     predictions would run about 10% low on this noise (measured when written)."""
     rng = random.Random(seed)
-    model = OnlineTtftModel(relative=True)
+    model = OnlineTtftModel(relative=True, relative_floor_s=floor_s)
     for _ in range(800):
         features, _, observed = _symmetric_noise(rng)
         model.observe(features.vector(), observed)
@@ -329,3 +340,9 @@ def test_a_relative_fit_weighs_by_the_prediction_and_stays_unbiased(seed: int) -
         features, ttft, _ = _symmetric_noise(rng)
         ratios.append(model.predict(features.vector()) / ttft)
     assert statistics.median(ratios) == pytest.approx(1.0, abs=0.03)
+
+
+@pytest.mark.parametrize("floor_s", [0.0, -0.1, float("nan"), float("inf")])
+def test_a_relative_floor_that_is_not_a_positive_time_is_refused(floor_s: float) -> None:
+    with pytest.raises(ValueError, match="relative_floor_s"):
+        OnlineTtftModel(relative=True, relative_floor_s=floor_s)
