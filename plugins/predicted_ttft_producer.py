@@ -70,9 +70,9 @@ of its predicted TTFT, so that the seconds-long waits of a fleet in overload,
 whose noise is seconds too, do not pull the weights the short TTFTs are
 predicted with (epp/ttft/model.py; docs/routing.md, Predictions in overload).
 `relativeFitFloorMs` (10): with `relativeFit`, predictions under that many
-milliseconds weigh as one of that many (the lab profile
-predicted-ttft-relative-floor sets 300: every TTFT under it weighs alike, and
-only longer ones less; docs/routing.md, Predictions in overload).
+milliseconds weigh as one of that many (the default profile sets 300: every
+TTFT under it weighs alike, and only longer ones less; docs/routing.md,
+Predictions in overload).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,

@@ -68,7 +68,8 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 
 # Used when no config file is given; manifests/config/default.yaml is the same
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
-# cache window, the prefill weight's floor, the fit weighted by the prediction,
+# cache window, the prefill weight's floor, the fit weighted by the prediction
+# beyond 300 ms,
 # the decode balance, the spread, the
 # tie cap, the faded queue weight, a hot prefix's own, the work weight once
 # the fleet has stayed busy and the decode load in a tie (docs/routing.md): it
@@ -85,6 +86,7 @@ plugins:
   parameters:
     minPrefillWeightMs: 15
     relativeFit: true
+    relativeFitFloorMs: 300
 - type: predicted-ttft-scorer
   parameters:
     decodeBalanceFactor: 3
