@@ -346,3 +346,30 @@ def test_a_relative_fit_weighs_by_the_prediction_and_stays_unbiased(
 def test_a_relative_floor_that_is_not_a_positive_time_is_refused(floor_s: float) -> None:
     with pytest.raises(ValueError, match="relative_floor_s"):
         OnlineTtftModel(relative=True, relative_floor_s=floor_s)
+
+
+def _jump_after_a_short_surprise(floor_s: float) -> float:
+    """How far one observation twice its idle pod's true TTFT (a short prompt,
+    about 11 ms) moves its own prediction, for a fit trained on idle pods' TTFTs
+    of 11-213 ms with the relative floor at `floor_s`."""
+    rng = random.Random(7)
+    model = OnlineTtftModel(relative=True, relative_floor_s=floor_s)
+    _train(model, _idle, rng, 400)
+    features = TtftFeatures(0.0, 64, attention_pairs(64, 0), 0)
+    x = features.vector()
+    before = model.predict(x)
+    model.observe(x, 2.0 * (0.008 + 50e-6 * 64))
+    return model.predict(x) - before
+
+
+def test_the_relative_floor_sets_how_far_short_ttfts_are_weighted_up() -> None:
+    """At 10 ms a prediction of 11 ms weighs about twenty times one of 200 ms, so a
+    surprise on it moves the fit far; with the floor at 300 ms, above every TTFT
+    here, it weighs as much as any of them and moves the fit less; a floor above
+    300 ms weighs every TTFT here alike as well, so it moves it as little."""
+    at_10ms = _jump_after_a_short_surprise(0.01)
+    at_300ms = _jump_after_a_short_surprise(0.3)
+    at_1s = _jump_after_a_short_surprise(1.0)
+    assert at_300ms > 0.0
+    assert at_10ms > 1.5 * at_300ms  # 2.3 times when written
+    assert at_1s == pytest.approx(at_300ms, rel=0.1)
