@@ -13,7 +13,14 @@ what the pick does to the requests that follow. Ties are ranked
    one pod). A pod with more than `balanceFactor` (1.5) times the fleet's
    mean uncached tokens in flight from this EPP counts as holding nothing: a hot
    prefix, or a prompt every conversation shares, then spreads to the pods that
-   are less loaded instead of piling onto the pods that hold it;
+   are less loaded instead of piling onto the pods that hold it. With
+   `crowdedFromDemandPods` (none: off; the default profile sets 1) only for a
+   prefix wanted by more than that many pods' worth of the recent requests (the
+   prefix producer's `demand` times the candidates): a prefix one pod can carry
+   (a prompt group of many, a conversation's history) stays on the pod holding
+   it however loaded, since counting that pod as holding nothing copies the
+   prefix to a second pod, a miss's prefill on a loaded fleet, and splits its
+   requests between two pods (docs/routing.md, A prefix one pod can carry);
 2. then by the prefill work queued ahead of it on the pod, in tenths of the
    request's own prefill: a tie can be a whole prefill wide (a new prompt's), and
    a pod with one queued would make the request wait for it;
@@ -274,6 +281,7 @@ class PredictedTtftScorer:
         tie_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 0.25
         new_prefix_tolerance: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         balance_factor: Annotated[float, msgspec.Meta(ge=0.0)] = 1.5
+        crowded_from_demand_pods: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         session_tie_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
         queue_weight: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         queue_weight_fade: bool = False
@@ -296,6 +304,7 @@ class PredictedTtftScorer:
         self.tie_tolerance = params.tie_tolerance
         self.new_prefix_tolerance = params.new_prefix_tolerance
         self.balance_factor = params.balance_factor
+        self.crowded_from_demand_pods = params.crowded_from_demand_pods
         self.session_tie_share = params.session_tie_share
         self.queue_weight = params.queue_weight
         self.queue_weight_fade = params.queue_weight_fade
@@ -445,6 +454,19 @@ class PredictedTtftScorer:
         # Both the work weight and the tie rank count such a pod as holding nothing.
         tokens = {e: p.tokens_in_flight for e, p in predicted.items()}
         crowded = _above(tokens, self.balance_factor)
+        if (
+            crowded
+            and self.crowded_from_demand_pods is not None
+            and demand * len(predicted) <= self.crowded_from_demand_pods
+        ):
+            # A prefix the recent requests want no more of than one pod carries (a
+            # prompt group of many, a conversation's history): counted as holding
+            # nothing, its loaded holder would send it to a second pod, a miss's
+            # whole prefill on a fleet already loaded, and its requests would then
+            # split between two pods for good. Only a prefix wanted beyond one pod
+            # spreads by crowding (the decode balance and the spread, below, still
+            # charge their pods whatever the demand).
+            crowded = set()
         # The prompt tokens each pod decodes (the context its decode steps read):
         # the decode balance and the decode tie both compare them to their mean.
         context: dict[Endpoint, int] = {}

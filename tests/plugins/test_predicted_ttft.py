@@ -456,6 +456,30 @@ def test_near_ties_go_to_the_holder_of_the_prefix_unless_it_is_crowded() -> None
     assert scores[a] < scores[b]  # crowded: more than 1.5 x the mean in flight
 
 
+@pytest.mark.parametrize(
+    ("demand_pods", "demand", "winner"),
+    [(None, 0.1, 1), (1.0, 0.1, 0), (1.0, 0.5, 1), (2.0, 0.5, 0)],
+)
+def test_a_prefix_one_pod_can_carry_stays_on_its_crowded_holder(
+    demand_pods: float | None, demand: float, winner: int
+) -> None:
+    """a holds the whole prompt, b 92 of its 100 blocks; two requests decoding on a put
+    it above 1.5 times the mean uncached tokens in flight. Crowded, a ranks as
+    holding nothing and b wins the tie. With `crowdedFromDemandPods`, a prefix
+    wanted by no more than that many pods' worth of the recent requests (demand
+    0.1 of three pods: 0.3 of a pod) keeps its holder; one wanted by more (0.5:
+    1.5 pods' worth) spreads as before, unless the bar is above it."""
+    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(crowded_from_demand_pods=demand_pods))
+    a, b, c = make_endpoints(3)
+    for _ in range(2):
+        req, started = fleet.route(a, {a: 50.0})
+        fleet.producer.response_first_chunk(req, started, routed(("default", a)), 0.05)
+    _, cycle = fleet.cycle({a: 100.0, b: 92.0}, demand)
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
+    assert scores[c] < 0.9  # a whole prefill more: no tie
+
+
 def _continuing(fleet: Fleet, endpoint: Endpoint, count: int) -> None:
     """`count` requests that each continue an earlier prompt, routed to `endpoint`
     and finished."""
@@ -741,6 +765,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeightFade": "yes"}))
     with pytest.raises(InvalidConfig, match="hotPrefixQueueWeight"):
         load(one_plugin_config("predicted-ttft-scorer", {"hotPrefixQueueWeight": -2}))
+    with pytest.raises(InvalidConfig, match="crowdedFromDemandPods"):
+        load(one_plugin_config("predicted-ttft-scorer", {"crowdedFromDemandPods": -1}))
     with pytest.raises(InvalidConfig, match="queueWeightFadeMissCapMs"):
         load(one_plugin_config("predicted-ttft-scorer", {"queueWeightFadeMissCapMs": 0}))
     with pytest.raises(InvalidConfig, match="sessionTieShare"):
