@@ -70,7 +70,7 @@ DEFAULT_SATURATION_DETECTOR: Final = "utilization-detector"
 # config, commented. Predicted-TTFT routing on the approximate prefix index with its
 # cache window, the prefill weight's floor, the fit weighted by the prediction
 # beyond 300 ms,
-# the decode balance, the spread, the
+# the decode balance, the spread, crowding only for a prefix wanted beyond a pod, the
 # tie cap, the faded queue weight, a hot prefix's own, the work weight once
 # the fleet has stayed busy and the decode load in a tie (docs/routing.md): it
 # needs nothing from the engines but their /metrics. manifests/config/weighted.yaml
@@ -92,6 +92,7 @@ plugins:
     decodeBalanceFactor: 3
     spreadFactor: 2
     spreadByPodRequests: true
+    crowdedFromDemandPods: 1
     tieMaxMs: 250
     queueWeight: 2
     queueWeightFade: true

@@ -258,7 +258,7 @@ def test_the_shipped_default_yaml_is_the_built_in_default() -> None:
 
 def test_the_default_s_lab_profile_is_the_default() -> None:
     # docs/routing.md cites the lab's runs of this profile as the default's figures.
-    lab = Path(__file__).parents[2] / "bench" / "profiles" / "predicted-ttft-relative-floor.yaml"
+    lab = Path(__file__).parents[2] / "bench" / "profiles" / "predicted-ttft-crowd-demand.yaml"
     assert yaml.safe_load(lab.read_text()) == yaml.safe_load(DEFAULT_CONFIG)
 
 
