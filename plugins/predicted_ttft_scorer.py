@@ -541,6 +541,7 @@ class PredictedTtftScorer:
                     "decodingTokens": predicted[e].decoding_tokens,
                     "prefixDemand": round(demand, 4),
                     "hotPrefix": hot,
+                    "crowded": e in crowded,
                     "costMs": round(seconds[e] * 1e3, 3),
                 }
                 for e in endpoints

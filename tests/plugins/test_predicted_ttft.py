@@ -478,6 +478,9 @@ def test_a_prefix_one_pod_can_carry_stays_on_its_crowded_holder(
     scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
     assert scores[[a, b][winner]] == 1.0 > scores[[a, b][1 - winner]]
     assert scores[c] < 0.9  # a whole prefill more: no tie
+    # The explain note says which pods the tie ranked as holding nothing.
+    explained = _explained(cycle, (a, b, c))
+    assert [explained[e]["crowded"] for e in (a, b, c)] == [winner == 1, False, False]
 
 
 def _continuing(fleet: Fleet, endpoint: Endpoint, count: int) -> None:
