@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,27 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(
     assert main(["--ours", ours, "--peers", theirs, *extra, "--out", str(out)]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+ROOT = Path(__file__).resolve().parents[3]
+GOALS_FILES = sorted((ROOT / "docs" / "results").glob("**/goals/*.md"))
+
+
+@pytest.mark.parametrize("path", GOALS_FILES, ids=lambda p: p.name)
+def test_each_committed_goals_file_is_what_its_command_gives_now(
+    path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A goals file is made from committed results: results measured again without
+    the file made again would leave docs quoting stale verdicts."""
+    text = path.read_text(encoding="utf-8")
+    command = shlex.split(text.split("```sh\n", 1)[1].split("\n```", 1)[0])
+    assert command[:3] == ["python", "-m", "bench.lab.goals"]
+    args = command[3:]
+    out = args.index("--out")
+    again = tmp_path / "again.md"
+    args[out + 1] = str(again)
+    monkeypatch.chdir(ROOT)  # the templates are relative to the repository
+    assert main(args) == 0
+    made = again.read_text(encoding="utf-8")
+    # The same table; only the --out path in the recorded command differs.
+    assert made.split("```\n", 1)[1] == text.split("```\n", 1)[1]
