@@ -1,5 +1,6 @@
 """`python -m bench.lab.goals`: one policy's lab results held against the routing
-goals, cell by cell, beside the peers' models measured in the same cells.
+goals (docs/routing.md, Against the goals), cell by cell, beside the peers'
+models measured in the same cells.
 
 A cell is a workload, a fleet and a load (`shared-prefix-16pods-load1.6`). Its
 results are two `python -m bench lab` output directories, found by two templates
