@@ -453,10 +453,9 @@ class PredictedTtftScorer:
         # Crowded: more than `balanceFactor` times the fleet's mean tokens in flight.
         # Both the work weight and the tie rank count such a pod as holding nothing.
         tokens = {e: p.tokens_in_flight for e, p in predicted.items()}
-        crowded = _above(tokens, self.balance_factor)
+        crowded: set[Endpoint]
         if (
-            crowded
-            and self.crowded_from_demand_pods is not None
+            self.crowded_from_demand_pods is not None
             and demand * len(predicted) <= self.crowded_from_demand_pods
         ):
             # A prefix the recent requests want no more of than one pod carries (a
@@ -467,6 +466,8 @@ class PredictedTtftScorer:
             # spreads by crowding (the decode balance and the spread, below, still
             # charge their pods whatever the demand).
             crowded = set()
+        else:
+            crowded = _above(tokens, self.balance_factor)
         # The prompt tokens each pod decodes (the context its decode steps read):
         # the decode balance and the decode tie both compare them to their mean.
         context: dict[Endpoint, int] = {}
