@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from bench.stats import pm
+
 PEERS: Final = ("sglang-cache-aware", "dynamo-kv", "llm-d-optimized-baseline", "gie-default")
 PEER_LABELS: Final = {
     "sglang-cache-aware": "SGLang",
@@ -49,6 +51,7 @@ PEER_LABELS: Final = {
     "gie-default": "GIE",
 }
 ROUND_ROBIN: Final = "round-robin"
+THROUGHPUT: Final = "throughput_rps"
 ERROR_GOAL: Final = 0.20
 CELL: Final = "{cell}"
 
@@ -59,8 +62,11 @@ class GoalsError(Exception):
 
 @dataclass(frozen=True)
 class Figure:
-    """A mean over seeds and its 95% interval's half-width (0 for one seed)."""
+    """One figure of a policy's results: its mean over seeds and its 95% interval's
+    half-width (0 for one seed), with the result it came from, for `pm`."""
 
+    result: Mapping[str, Any]
+    key: str
     mean: float
     ci: float
 
@@ -70,10 +76,14 @@ class Figure:
         if not isinstance(value, int | float):
             raise GoalsError(f"no {key!r} in a policy's results")
         ci = result.get(f"{key}_ci95")
-        return cls(float(value), float(ci) if isinstance(ci, int | float) else 0.0)
+        return cls(result, key, float(value), float(ci) if isinstance(ci, int | float) else 0.0)
 
     def overlaps(self, other: Figure) -> bool:
         return abs(self.mean - other.mean) <= self.ci + other.ci
+
+    def text(self) -> str:
+        """Times in ms, throughput in req/s, ± the interval where there is one."""
+        return pm(self.result, self.key, ".1f", 1.0 if self.key == THROUGHPUT else 1e3)
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,7 @@ def _best(
 ) -> Goal:
     """The best peer's figure (lowest; highest for throughput) and whether ours meets
     it (at most `factor` times it; at least it for throughput)."""
-    higher = key == "throughput_rps"
+    higher = key == THROUGHPUT
     figures = {name: Figure.of(result, key) for name, result in peers.items()}
     name = (max if higher else min)(figures, key=lambda n: figures[n].mean)
     mine, best = Figure.of(ours, key), figures[name]
@@ -171,7 +181,7 @@ def compare(
         peer_seeds=min(int(r.get("seeds", 0)) for r in peers.values()),
         p90=_best(mine, peers, "ttft_p90_s", p90_factor),
         p50=_best(mine, peers, "ttft_p50_s", 1.0),
-        throughput=_best(mine, peers, "throughput_rps", 1.0),
+        throughput=_best(mine, peers, THROUGHPUT, 1.0),
         error=float(error) if isinstance(error, int | float) else None,
         round_robin_ratio=ratio,
     )
@@ -205,14 +215,6 @@ def cells_of(ours: str, peers: str) -> list[str]:
     return sorted(found)
 
 
-def _ms(figure: Figure) -> str:
-    return f"{figure.mean * 1e3:.1f} ± {figure.ci * 1e3:.1f}"
-
-
-def _rps(figure: Figure) -> str:
-    return f"{figure.mean:.1f} ± {figure.ci:.1f}"
-
-
 def _verdict(goal: Goal) -> str:
     return "yes" if goal.met else ("no (inside the intervals)" if goal.close else "**no**")
 
@@ -229,10 +231,10 @@ def table(cells: Sequence[Cell], p90_factor: float = 1.0) -> str:
         error = "" if c.error is None else f"{c.error * 100:.1f}%"
         ratio = "" if c.round_robin_ratio is None else f"{c.round_robin_ratio:.3f}"
         lines.append(
-            f"| {c.name} | {c.seeds} / {c.peer_seeds} | {_ms(c.p90.ours)}"
-            f" | {_ms(c.p90.best)} ({c.p90.peer}) | {_verdict(c.p90)}"
-            f" | {_ms(c.p50.ours)} | {_ms(c.p50.best)} ({c.p50.peer}) | {_verdict(c.p50)}"
-            f" | {_rps(c.throughput.ours)} | {_rps(c.throughput.best)} ({c.throughput.peer})"
+            f"| {c.name} | {c.seeds} / {c.peer_seeds} | {c.p90.ours.text()}"
+            f" | {c.p90.best.text()} ({c.p90.peer}) | {_verdict(c.p90)}"
+            f" | {c.p50.ours.text()} | {c.p50.best.text()} ({c.p50.peer}) | {_verdict(c.p50)}"
+            f" | {c.throughput.ours.text()} | {c.throughput.best.text()} ({c.throughput.peer})"
             f" | {_verdict(c.throughput)} | {error} | {ratio} |"
         )
     n = len(cells)

@@ -120,6 +120,17 @@ def test_out_writes_the_table_with_its_command(tmp_path: Path) -> None:
     assert "| a | 5 / 5 | 27.0 ± 0.0 | 30.0 ± 0.0 (Dynamo) | yes |" in text
 
 
+def test_a_single_seed_figure_is_shown_without_an_interval(tmp_path: Path) -> None:
+    one_seed = result(27.0, 19.0, 110.0, seeds=1)
+    one_seed.update(ttft_p90_s_ci95=None, ttft_p50_s_ci95=None, throughput_rps_ci95=None)
+    write(tmp_path / "ours" / "a", {"mine": one_seed})
+    write(tmp_path / "peers" / "a", peers())
+    out = tmp_path / "goals.md"
+    args = ["--ours", f"{tmp_path}/ours/{{cell}}", "--peers", f"{tmp_path}/peers/{{cell}}"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert "| a | 1 / 5 | 27.0 | 30.0 ± 0.0 (Dynamo) | yes | 19.0 |" in out.read_text()
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [
