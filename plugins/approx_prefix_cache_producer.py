@@ -30,7 +30,7 @@ Parameters (llm-d's names and defaults):
   `charsPerToken` 4 is less than the cache where the text has more characters
   per token (the lab's: about 7): that index forgot prompts its pods still held,
   a prefix group lost its pod, and with small caches the pods thrashed
-  (docs/routing.md, The index's capacity). Counting the cache exactly, without
+  (docs/routing-evidence.md, The index's capacity). Counting the cache exactly, without
   llm-d's count as the floor, was measured and not kept: it forgets a group's
   pod as soon as the pod may have evicted it, which cost hits on small caches.
 - `blockSize` (deprecated in llm-d): taken as `blockSizeTokens` when that is left at
@@ -41,7 +41,7 @@ Parameters (llm-d's names and defaults):
   hold, so a prediction is not made for a hit the engine has evicted; the whole
   remembered match, the pod a prompt group was sent to, is left beside it
   (`PrefixMatchInfo.remembered`), which `predicted-ttft-scorer`'s tie rank reads
-  (docs/routing.md, The index's capacity).
+  (docs/routing-evidence.md, The index's capacity).
 
 The match also says how many of the recent requests wanted the prefix it ends on
 (`PrefixMatchInfo.demand`: the share of the last few hundred picks whose longest

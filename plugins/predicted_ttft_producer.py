@@ -53,25 +53,25 @@ observation decays by this per later one, a memory of about 200 observations);
 earlier one before any has been seen; 0 for traffic known to have no sessions).
 `waitingBeyondOwn` (false; the lab profile predicted-ttft-waiting sets it): count
 a pod's scraped waiting requests only beyond this EPP's own that it expected
-there when the scrape was taken (docs/routing.md, What a pod says is waiting).
+there when the scrape was taken (docs/routing-evidence.md, What a pod says is waiting).
 `minPrefillWeightMs` (0; the lab profile predicted-ttft-prefill-floor sets 15):
 the least the model's prefill weight may be, in milliseconds per 1,000 uncached
 tokens; on prompts all of one length the fit cannot tell that weight from the
 fixed cost and may take it to 0, after which the ledger charges no prefill and
-every queue reads empty (docs/routing.md, The prefill weight's floor).
+every queue reads empty (docs/routing-evidence.md, The prefill weight's floor).
 `countOverdue` (false; the lab profile predicted-ttft-overdue sets it): add to
 the prediction, at a weight the model fits, the requests this EPP has queued on
 the pod whose first token was due and has not come: a pod fallen behind (a full
-KV cache) reads an empty queue otherwise (docs/routing.md, Predictions in
+KV cache) reads an empty queue otherwise (docs/routing-evidence.md, Predictions in
 overload).
 `relativeFit` (false; the default profile sets it): fit
 the model by weighted least squares, each observation weighted by the inverse
 of its predicted TTFT, so that the seconds-long waits of a fleet in overload,
 whose noise is seconds too, do not pull the weights the short TTFTs are
-predicted with (epp/ttft/model.py; docs/routing.md, Predictions in overload).
+predicted with (epp/ttft/model.py; docs/routing-evidence.md, Predictions in overload).
 `relativeFitFloorMs` (10): with `relativeFit`, predictions under that many
 milliseconds weigh as one of that many (the default profile sets 300: every
-TTFT under it weighs alike, and only longer ones less; docs/routing.md,
+TTFT under it weighs alike, and only longer ones less; docs/routing-evidence.md,
 Predictions in overload).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /

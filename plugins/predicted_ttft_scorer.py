@@ -20,7 +20,7 @@ what the pick does to the requests that follow. Ties are ranked
    (a prompt group of many, a conversation's history) stays on the pod holding
    it however loaded, since counting that pod as holding nothing copies the
    prefix to a second pod, a miss's prefill on a loaded fleet, and splits its
-   requests between two pods (docs/routing.md, A prefix one pod can carry);
+   requests between two pods (docs/routing-evidence.md, A prefix one pod can carry);
 2. then by the prefill work queued ahead of it on the pod, in tenths of the
    request's own prefill: a tie can be a whole prefill wide (a new prompt's), and
    a pod with one queued would make the request wait for it;
@@ -35,7 +35,7 @@ conversations that were hits has few uncached tokens in flight and would
 otherwise take new prompts while each of its decode steps reads several times a
 typical pod's context (the whole Mooncake trace at 0.8: new prompts went to the
 pod decoding several times the mean, whose answers then set the run's length;
-docs/routing.md, The decode load in a tie). A hit there keeps its rank, and no
+docs/routing-evidence.md, The decode load in a tie). A hit there keeps its rank, and no
 request joins a queue for it.
 
 Equal ranks score equal, and the picker draws among them. The tied pods score in
@@ -66,7 +66,7 @@ queue behind it there when an idle pod could have taken them. The extra counts
 in proportion to the share of candidates with no queue, so it fades as the
 fleet saturates: in overload, spreading costs hits the fleet has no room for.
 It spreads a hot prompt, or conversations over one system prompt, before the
-pods holding them build a queue (docs/routing.md, The queue's weight). The tie
+pods holding them build a queue (docs/routing-evidence.md, The queue's weight). The tie
 window stays as wide as the predictions' error; the explain note's `costMs` is
 what is compared. With `queueWeightFade: true` (the default profile's) the
 extra also fades as the fleet's mean queue grows toward this request's own
@@ -95,7 +95,7 @@ queue passed its small prefill. A prompt group that is one of many (shared
 prefixes, four groups a pod) wants a fraction of a pod and keeps the faded
 weight; so does a long prompt with a short shared start (the Mooncake trace's
 system prompt): its prefix is not half of it. Only the approximate prefix
-producer counts the demand; with another, no prompt is hot (docs/routing.md,
+producer counts the demand; with another, no prompt is hot (docs/routing-evidence.md,
 The queue's weight).
 
 `workWeight` (1.0: off; the default profile sets 8, gated as below) counts the
@@ -107,7 +107,7 @@ request's wait. A crowded pod (the tie rule's: more than `balanceFactor` times
 the mean tokens in flight) is counted as if it held nothing: its hit earns no
 extra, or a hot prompt's holders would win every comparison until their queues
 outgrew several whole prefills elsewhere. On the whole Mooncake trace at 0.95 of
-capacity it lowers the p90 by more than half (docs/routing.md, The work's weight).
+capacity it lowers the p90 by more than half (docs/routing-evidence.md, The work's weight).
 With `workWeightBusyFrom` (0.0: the extra in proportion to the busy share, as
 above; the default profile sets 0.8) the extra is nothing until that share of
 the candidates have prefill queued and grows to all of it when every one has: a
@@ -115,7 +115,7 @@ fleet with pods idle has room for a miss's prefill, and only once every pod
 queues does the work a miss adds fall behind what arrives. On the Mooncake trace
 most pods but not all queue at 0.8 of capacity, and all of them once the fleet
 falls behind at 0.95; through Envoy on 8 pods, shared prefixes queue every pod
-in bursts, and the weight then costs them (docs/routing.md, The work's weight).
+in bursts, and the weight then costs them (docs/routing-evidence.md, The work's weight).
 `workWeightBusyForS` (none: off; the default profile sets 5) tells a fleet that
 has fallen behind from such a burst: the scorer keeps, on its clock, the share
 of the last that many seconds (an exponential average with that time constant)
@@ -137,7 +137,7 @@ prefill a miss adds), and the tie rule counts it as crowded. Chasing hits, the
 greedy pick keeps sending a family of long conversations to the pod that holds
 them, whose decode steps then slow down for every stream on it (the whole
 Mooncake trace on 64 pods at 0.8: one pod decoding several times a typical
-pod's context set the run's length; see docs/routing.md, The decode load).
+pod's context set the run's length; see docs/routing-evidence.md, The decode load).
 
 `spreadFactor` (none: off; the default profile sets 2):
 for a request that continues no earlier one (a new question over a shared prompt,
@@ -146,7 +146,7 @@ mean tokens in flight is charged the work of a miss for its hit, in proportion t
 the share of candidates with no prefill queued, as a decode-heavy pod is. A hot
 prompt's holders otherwise keep its requests while pods idle, and a cold start's
 first turns gather where the system prompt is; the turns that follow stay where
-their history is, charged nothing (docs/routing.md, Spreading what starts).
+their history is, charged nothing (docs/routing-evidence.md, Spreading what starts).
 Such a pod also ranks in a tie as holding nothing, as a crowded one.
 
 `spreadByPodRequests` (false; the default profile sets it): the spread compares
@@ -154,7 +154,7 @@ the requests each pod reports running and waiting (its latest fresh scrape, plus
 what this EPP sent it since) instead of this EPP's own tokens in flight. Behind
 several EPP replicas each sees only its share of the requests, a pod or two of
 them more than the mean is already twice it, and new prompts leave the pods
-holding them; the pods' own counts include every replica's (docs/routing.md,
+holding them; the pods' own counts include every replica's (docs/routing-evidence.md,
 Where precise must beat approximate). A pod whose scrape is stale counts this
 EPP's own requests there, times the requests the fresh pods report for each of
 this EPP's own on them (the other replicas' share).
@@ -165,14 +165,14 @@ a long prompt's is wide in time (25% of a 2 s prefill is half a second, a new
 prompt's 100% of it two seconds), and its rank may choose a pod that much slower
 for the hit or the balance it offers. Capped, long prompts go where they start
 sooner; short prompts' ties are unchanged. On the whole Mooncake trace at 0.8 it
-lowers the p90 and raises the p99 (docs/routing.md, A tie's width).
+lowers the p90 and raises the p99 (docs/routing-evidence.md, A tie's width).
 
 `newPrefixTieMaxMs` (none: off): the same cap for the ties of prompts no pod holds
 half of (`newPrefixTolerance` wide) alone; a prompt some pod holds keeps its
 `tieTolerance` tie however long, and its rank keeps it with its prefix. On the
 whole Mooncake trace it routes within the default's intervals at 0.8, with no
 fewer preemptions: the longest new prompts' capped ties are what gather them
-where a KV cache overflows (docs/routing.md, A tie's width).
+where a KV cache overflows (docs/routing-evidence.md, A tie's width).
 
 Each candidate's prediction and its parts (queued, prefill, attention, decoding,
 waiting, fixed) are left for /debug/explain under the scorer's name, and the
