@@ -398,7 +398,8 @@ class RequestStream:
         assert self.usage is not None
         self.usage.feed(body.body)
         if body.body and self.decision is not None and 200 <= (self.status or 0) < 300:
-            self.director.first_chunk(self.decision)
+            # The hooks run once this chunk is on its way to the client.
+            self.director.first_chunk(self.decision, defer=True)
         if body.end_of_stream:
             self._finish(completed=True)
         return self._echo("response_body", body.body, body.end_of_stream)

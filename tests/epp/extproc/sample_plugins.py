@@ -25,6 +25,7 @@ class Recorder:
     def __init__(self, params: object, context: PluginContext) -> None:
         self.records: list[tuple[InferenceRequest, ResponseInfo]] = []
         self.first_chunks: list[tuple[str, float]] = []  # (request id, seconds from pick)
+        self.events: list[tuple[str, str]] = []  # (hook, request id), in the order called
 
     def response_first_chunk(
         self,
@@ -34,6 +35,7 @@ class Recorder:
         elapsed_s: float,
     ) -> None:
         self.first_chunks.append((request.request_id, elapsed_s))
+        self.events.append(("first_chunk", request.request_id))
 
     def post_response(
         self,
@@ -43,6 +45,7 @@ class Recorder:
         response: ResponseInfo,
     ) -> None:
         self.records.append((request, response))
+        self.events.append(("post_response", request.request_id))
 
     def for_request(self, request_id: str) -> list[ResponseInfo]:
         return [response for request, response in self.records if request.request_id == request_id]

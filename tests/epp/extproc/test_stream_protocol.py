@@ -354,6 +354,21 @@ async def test_the_first_chunk_of_a_successful_response_is_reported_once(
     assert [r for r, _ in recorder.first_chunks] == ["ok-1"]
 
 
+async def test_a_response_of_one_chunk_reports_its_first_chunk_before_its_end(
+    start_epp: StartEpp,
+) -> None:
+    # The first-chunk hooks run after the chunk is handed back; a chunk that also
+    # ends the response ends the request in the same message, and the hooks then
+    # run at the end, first.
+    epp = await start_epp(config_text=RECORDER_CONFIG)
+    recorder = epp.plugin("recorder")
+    stream = epp.stream()
+    await ec.route(stream, completion_body(prompt="x"), request_id="one-1")
+    await ec.respond(stream, [b'{"choices": [{"text": "ok"}]}'], status=200)
+    assert await stream.ended() == grpc.StatusCode.OK
+    assert recorder.events == [("first_chunk", "one-1"), ("post_response", "one-1")]
+
+
 def sse_response(prompt_tokens: int, completion_tokens: int, cached: int) -> bytes:
     usage = {
         "prompt_tokens": prompt_tokens,
