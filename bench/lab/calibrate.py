@@ -1,17 +1,23 @@
 """`python -m bench.lab.calibrate`: what the real stack adds to a request's TTFT
 outside the engine, to set the lab's delays from.
 
-For each path (straight to a simulated pod; through Envoy and `epp serve` with a
-config; through a peer router) on a fresh fleet of one pod, requests are sent one
-at a time (nothing queues), each a chat request with a prompt nobody has sent
-before, of two sizes. For each request the client's TTFT (sent to first token) and
-the engine's own (`vllm:time_to_first_token_seconds`: from the engine taking the
-request to its first token, read from the pod's /metrics before and after) are
-measured; their difference is the time spent outside the engine: the client, the
-router, HTTP, the pod's parsing, chat template and tokenization, and the first
-chunk's way back. A line a + b x prompt tokens is fitted per path through the two
-sizes' medians. The direct path's line is the pod's own overhead; a router's is
-the direct line plus what the router adds.
+Every path (straight to a simulated pod; through Envoy and `epp serve` with a
+config; through a peer router), each on a fresh fleet of one pod, is up at once,
+and requests are sent one at a time (nothing queues), in rounds: each round one
+chat request of a prompt nobody has sent before goes down every path, in an order
+drawn afresh each round, so a host whose speed drifts (a shared machine's does,
+by tens of percent within minutes) slows every path alike. For each request the
+client's TTFT (sent to first token) and the engine's own
+(`vllm:time_to_first_token_seconds`: from the engine taking the request to its
+first token, read from the pod's /metrics before and after) are measured; their
+difference is the time spent outside the engine: the client, the router, HTTP,
+the pod's parsing, chat template and tokenization, and the first chunk's way
+back. A line a + b x prompt tokens is fitted per path through the two sizes'
+medians. The direct path's line is the pod's own overhead; a router's is the
+direct line plus what the router adds. What one router adds over another is
+read from the rounds themselves: the median of the per-round differences, with a
+95% bootstrap interval (`paired`, against round-robin's path), much tighter than
+the difference of two medians.
 
 Then the two staleness delays (`Delays.kv_event_s`, `Delays.metrics_latency_s`),
 from the EPP's own histograms: Envoy and `epp serve` with the `precise-prefix`
@@ -55,7 +61,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,19 +100,47 @@ def _engine_ttft(address: str) -> tuple[float, float]:
     return total, count
 
 
-async def _measure(url: str, address: str, bodies: list[bytes]) -> list[float]:
-    """Outside-the-engine time of each request, sent one at a time."""
-    out = []
+async def _measure(
+    targets: dict[str, tuple[str, str]], bodies: list[bytes], rng: random.Random
+) -> dict[str, list[float]]:
+    """Outside-the-engine time of each request down each path (name -> (url, pod
+    address)), sent one at a time: request i goes down every path in round i, in
+    an order drawn for the round."""
+    out: dict[str, list[float]] = {name: [] for name in targets}
+    names = list(targets)
     async with aiohttp.ClientSession() as http:
         for i, body in enumerate(bodies):
-            before = _engine_ttft(address)
-            record = Record(session=i, turn=0, group=-1, scheduled_s=0.0)
-            await send(http, f"{url}/v1/chat/completions", body, record, 1.0, 60.0)
-            after = _engine_ttft(address)
-            if not record.ok or record.ttft_s is None or after[1] != before[1] + 1:
-                raise RuntimeError(f"request {i} on {url}: {record.error or 'no TTFT'}")
-            out.append(record.ttft_s - (after[0] - before[0]))
+            rng.shuffle(names)
+            for name in names:
+                url, address = targets[name]
+                before = _engine_ttft(address)
+                record = Record(session=i, turn=0, group=-1, scheduled_s=0.0)
+                await send(http, f"{url}/v1/chat/completions", body, record, 1.0, 60.0)
+                after = _engine_ttft(address)
+                if not record.ok or record.ttft_s is None or after[1] != before[1] + 1:
+                    raise RuntimeError(
+                        f"request {i} on {name} ({url}): {record.error or 'no TTFT'}"
+                    )
+                out[name].append(record.ttft_s - (after[0] - before[0]))
     return out
+
+
+def paired(
+    values: Sequence[float], reference: Sequence[float], rng: random.Random, draws: int = 2000
+) -> dict[str, float]:
+    """The median of the per-round differences `values[i] - reference[i]`, and its
+    95% interval by the bootstrap (`draws` resamples of the rounds)."""
+    if len(values) != len(reference) or not values:
+        raise ValueError("paired needs two equally long, non-empty series of rounds")
+    differences = [v - r for v, r in zip(values, reference, strict=True)]
+    medians = sorted(
+        statistics.median(rng.choices(differences, k=len(differences))) for _ in range(draws)
+    )
+    return {
+        "median_s": statistics.median(differences),
+        "low_s": medians[int(0.025 * draws)],
+        "high_s": medians[int(0.975 * draws) - 1],
+    }
 
 
 def _fit(points: dict[int, float]) -> tuple[float, float]:
@@ -121,10 +155,11 @@ def run(
     command: str,
     parts: tuple[str, ...] = PARTS,
     staleness: StalenessLoad | None = None,
+    paths: Sequence[str] = PATHS,
 ) -> dict[str, Any]:
     document: dict[str, Any] = {}
     if "paths" in parts:
-        document.update(measure_paths(out, requests, command))
+        document.update(measure_paths(out, requests, command, paths))
     if "staleness" in parts:
         document["staleness"] = measure_staleness(staleness or StalenessLoad())
     document = {**provenance(command), **document}
@@ -133,8 +168,11 @@ def run(
     return document
 
 
-def measure_paths(out: Path, requests: int, command: str) -> dict[str, Any]:
-    """The fixed and per-token cost of each path outside the engine."""
+def measure_paths(
+    out: Path, requests: int, command: str, names: Sequence[str] = PATHS
+) -> dict[str, Any]:
+    """The fixed and per-token cost of each path outside the engine, and what each
+    adds over round-robin's, round by round."""
     tokenizer = default_tokenizer_dir()
     words = load_words(tokenizer)
     rng = random.Random("calibrate")
@@ -164,34 +202,48 @@ def measure_paths(out: Path, requests: int, command: str) -> dict[str, Any]:
         progress=False,
         command=command,
     )
-    paths: dict[str, Any] = {}
-    for name in PATHS:
-        policy = resolve_policy("round-robin" if name == "direct" else name)
-        with (
-            tempfile.TemporaryDirectory(prefix="calibrate-") as workdir,
-            data_path(policy, options, Path(workdir)) as path,
-        ):
+    samples: dict[str, dict[int, list[float]]] = {name: {} for name in names}
+    with contextlib.ExitStack() as stack:
+        targets: dict[str, tuple[str, str]] = {}
+        for name in names:
+            policy = resolve_policy("round-robin" if name == "direct" else name)
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="calibrate-"))
+            path = stack.enter_context(data_path(policy, options, Path(workdir)))
             address = path.pods[0][1]
-            target = f"http://{address}" if name == "direct" else path.url
-            medians = {}
-            samples = {}
-            for size in SIZES:
-                values = asyncio.run(_measure(target, address, bodies[size]))[warmup:]
-                samples[size] = [round(v, 6) for v in values]
-                medians[size] = statistics.median(values)
-            a, b = _fit(medians)
-            paths[name] = {
-                "median_s": {str(k): v for k, v in medians.items()},
-                "fixed_s": a,
-                "per_token_s": b,
-                "samples_s": {str(k): v for k, v in samples.items()},
-            }
-        time.sleep(0.5)
-    direct = paths["direct"]
+            targets[name] = (f"http://{address}" if name == "direct" else path.url, address)
+        for size in SIZES:
+            measured = asyncio.run(_measure(targets, bodies[size], rng))
+            for name, values in measured.items():
+                samples[name][size] = values[warmup:]
+    paths: dict[str, Any] = {}
+    for name in names:
+        medians = {size: statistics.median(values) for size, values in samples[name].items()}
+        a, b = _fit(medians)
+        paths[name] = {
+            "median_s": {str(k): v for k, v in medians.items()},
+            "fixed_s": a,
+            "per_token_s": b,
+            "samples_s": {str(k): [round(v, 6) for v in vs] for k, vs in samples[name].items()},
+        }
+    direct = paths.get("direct")
     for path in paths.values():
-        path["added_fixed_s"] = path["fixed_s"] - direct["fixed_s"]
-        path["added_per_token_s"] = path["per_token_s"] - direct["per_token_s"]
-    return {"sizes": list(SIZES), "requests": requests, "paths": paths}
+        if direct is not None:
+            path["added_fixed_s"] = path["fixed_s"] - direct["fixed_s"]
+            path["added_per_token_s"] = path["per_token_s"] - direct["per_token_s"]
+    if "round-robin" in samples:
+        reference = samples["round-robin"]
+        draws = random.Random("calibrate-bootstrap")
+        for name, path in paths.items():
+            path["over_round_robin_s"] = {
+                str(size): paired(values, reference[size], draws)
+                for size, values in samples[name].items()
+            }
+    return {
+        "sizes": list(SIZES),
+        "requests": requests,
+        "method": "interleaved",
+        "paths": paths,
+    }
 
 
 # -- the staleness delays ---------------------------------------------------------------------
@@ -435,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         help="what to measure, comma-separated: paths (the TTFT added outside the engine),"
         " staleness (the KV-event lag and the metrics scrape duration)",
     )
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help="the paths measured side by side, comma-separated: direct (straight to the"
+        " pod), any --policy name of `python -m bench run` (an EPP config or a peer"
+        " router); round-robin's is the reference the others are paired against",
+    )
     defaults = StalenessLoad()
     parser.add_argument("--staleness-pods", type=int, default=defaults.pods)
     parser.add_argument(
@@ -448,18 +507,34 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         parser.error(f"--parts: one or more of {', '.join(PARTS)} (not {', '.join(unknown)})")
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    if "direct" not in paths or len(set(paths)) != len(paths):
+        parser.error("--paths: direct and each other path once, comma-separated")
+    if "paths" in parts:
+        for name in paths:
+            if name != "direct":
+                try:
+                    resolve_policy(name)
+                except (ValueError, FileNotFoundError) as error:
+                    parser.error(f"--paths: {error}")
     load = StalenessLoad(
         pods=args.staleness_pods, rate=args.staleness_rate, duration_s=args.staleness_seconds
     )
     command = "python -m bench.lab.calibrate " + shlex.join(argv)
-    document = run(args.out, args.requests, command, parts, load)
+    document = run(args.out, args.requests, command, parts, load, paths)
     for name, path in document.get("paths", {}).items():
         medians = ", ".join(f"{k} tokens {v * 1000:.2f} ms" for k, v in path["median_s"].items())
+        paired_note = "".join(
+            f"; over round-robin at {k} tokens {d['median_s'] * 1000:+.2f} ms"
+            f" [{d['low_s'] * 1000:+.2f}, {d['high_s'] * 1000:+.2f}]"
+            for k, d in path.get("over_round_robin_s", {}).items()
+            if name != "round-robin"
+        )
         print(
             f"{name:<16} {medians}; fixed {path['fixed_s'] * 1000:.2f} ms +"
             f" {path['per_token_s'] * 1e6:.2f} us/token (added over direct:"
             f" {path['added_fixed_s'] * 1000:.2f} ms"
-            f" + {path['added_per_token_s'] * 1e6:.2f} us/token)"
+            f" + {path['added_per_token_s'] * 1e6:.2f} us/token){paired_note}"
         )
     staleness = document.get("staleness")
     if staleness is not None:

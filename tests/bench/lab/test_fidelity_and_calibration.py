@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from bench.lab.calibrate import _fit, read_histogram
+from bench.lab.calibrate import _fit, main, paired, read_histogram
 from bench.lab.fidelity import Case, compare, markdown
 
 CASE = Case("shared-prefix", {}, 10.0)
@@ -15,6 +18,42 @@ def test_a_line_through_two_medians() -> None:
     fixed, per_token = _fit({2048: 0.0230, 128: 0.0038})
     assert fixed == pytest.approx(0.00252)
     assert per_token == pytest.approx(1e-5)
+
+
+def test_paired_differences_cancel_what_moves_both_paths_in_a_round() -> None:
+    # A host whose speed drifts: each round slower than the last, by more than the
+    # 0.2 ms one path pays over the other; the difference of the two medians
+    # would carry the drift's noise, the per-round differences do not.
+    drift = [0.001 * i for i in range(40)]
+    reference = [0.004 + d for d in drift]
+    values = [0.0042 + d + (0.00005 if i % 2 else -0.00005) for i, d in enumerate(drift)]
+    found = paired(values, reference, random.Random(1))
+    assert found["median_s"] == pytest.approx(0.0002)
+    assert found["low_s"] <= found["median_s"] <= found["high_s"]
+    assert found["high_s"] - found["low_s"] <= 0.0001 + 1e-12
+    with pytest.raises(ValueError, match="equally long"):
+        paired(values, reference[:-1], random.Random(1))
+    with pytest.raises(ValueError, match="non-empty"):
+        paired([], [], random.Random(1))
+
+
+@pytest.mark.parametrize(
+    ("paths", "message"),
+    [
+        ("round-robin,default", "direct and each other path once"),
+        ("direct,default,default", "direct and each other path once"),
+        ("direct,no-such-config", "unknown policy 'no-such-config'"),
+    ],
+)
+def test_calibrate_refuses_bad_paths_before_starting_anything(
+    paths: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "calibration"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--parts", "paths", "--paths", paths, "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_quantiles_from_the_buckets_of_an_epp_page() -> None:
