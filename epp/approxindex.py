@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Final
 
 import xxhash
@@ -94,7 +94,7 @@ def _token_bytes(ids: Sequence[int]) -> bytes:
 class PromptBlocks:
     """A prompt's chained block hashes, computed on demand."""
 
-    __slots__ = ("_data", "_hashes", "_seed", "_step", "full", "total", "uncapped")
+    __slots__ = ("_ascii", "_data", "_hashes", "_seed", "_step", "full", "total", "uncapped")
 
     def __init__(self, data: str | Sequence[int], step: int, seed: int, max_blocks: int) -> None:
         """`step`: characters (text) or ids (token ids) per block; `max_blocks` 0:
@@ -109,6 +109,13 @@ class PromptBlocks:
         self._step = step
         self._hashes: list[int] = []
         self._seed = seed
+        # ASCII text (`isascii` is O(1)): a character slice of it encodes to the
+        # byte slice at the same offsets, so the text within the cap is encoded
+        # once here and sliced per block, not sliced and encoded block by block;
+        # other text is encoded per block as UTF-8 (surrogates passed through).
+        self._ascii: bytes | None = None
+        if isinstance(data, str) and self.total > 0 and data.isascii():
+            self._ascii = data[: self.total * step].encode("ascii")
 
     @property
     def is_text(self) -> bool:
@@ -128,17 +135,53 @@ class PromptBlocks:
     def hash(self, i: int) -> int:
         """Block i's hash (0 <= i < total)."""
         hashes = self._hashes
-        while len(hashes) <= i:
-            n = len(hashes)
-            previous = hashes[-1] if hashes else self._seed
-            chunk = self._data[n * self._step : (n + 1) * self._step]
-            raw = (
-                chunk.encode("utf-8", "surrogatepass")
-                if isinstance(chunk, str)
-                else _token_bytes(chunk)
-            )
-            hashes.append(_hash(raw, previous))
-        return hashes[i]
+        n = len(hashes)
+        if n > i:
+            return hashes[i]
+        data = self._data
+        step = self._step
+        total = self.total
+        encoded = self._ascii
+        previous = hashes[-1] if hashes else self._seed
+        while n <= i:
+            if encoded is not None and n < total:
+                chunk: bytes = encoded[n * step : (n + 1) * step]
+            else:
+                units = data[n * step : (n + 1) * step]
+                chunk = (
+                    units.encode("utf-8", "surrogatepass")
+                    if isinstance(units, str)
+                    else _token_bytes(units)
+                )
+            previous = _hash(chunk, previous)
+            hashes.append(previous)
+            n += 1
+        if n >= total:
+            self._ascii = None  # every block within the cap is hashed
+        return previous
+
+    def hashes(self) -> Iterator[int]:
+        """The hashes of the blocks within the cap, from the first, each computed
+        when first reached: `hash(0)`, `hash(1)`, ... without a call for each (a
+        lookup walks a prompt's blocks in order)."""
+        hashes = self._hashes
+        step = self._step
+        total = self.total
+        previous = self._seed
+        n = 0
+        while n < total:
+            if n < len(hashes):
+                previous = hashes[n]
+            elif (encoded := self._ascii) is not None:
+                # `hash(n)`'s ASCII path, inline.
+                previous = _hash(encoded[n * step : (n + 1) * step], previous)
+                hashes.append(previous)
+                if n + 1 == total:
+                    self._ascii = None  # every block within the cap is hashed
+            else:
+                previous = self.hash(n)
+            yield previous
+            n += 1
 
     def all(self) -> list[int]:
         if self.total:
@@ -264,25 +307,46 @@ class ApproxPrefixIndex:
         """Per candidate holding the prompt's first block: how many leading blocks
         it holds. Stops hashing where no candidate can match any further."""
         matched: dict[Endpoint, int] = {}
-        alive: set[Endpoint] | None = None
         owners_of = self._owners
-        for i in range(blocks.total):
-            owners = owners_of.get(blocks.hash(i))
+        hashes = blocks.hashes()
+        first = next(hashes, None)
+        owners = None if first is None else owners_of.get(first)
+        if owners is None:
+            return matched
+        wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+        if isinstance(owners, Endpoint):
+            alive = {owners} if owners in wanted else set()
+        else:
+            alive = owners & wanted
+        if not alive:
+            return matched
+        # Each endpoint in `alive` holds blocks [0, depth). An endpoint's match is
+        # set when it drops out and the last ones' at the end, not on every block.
+        depth = 1
+        for h in hashes:
+            owners = owners_of.get(h)
             if owners is None:
                 break
+            # The usual case first: every endpoint still matching holds this block.
             if isinstance(owners, Endpoint):
-                holders: set[Endpoint] = {owners}
+                if owners in alive and len(alive) == 1:
+                    depth += 1
+                    continue
+                survivors = {owners} if owners in alive else set()
+            elif alive <= owners:
+                depth += 1
+                continue
             else:
-                holders = owners
-            if alive is None:
-                wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-                alive = holders & wanted
-            else:
-                alive &= holders
-            if not alive:
-                break
+                survivors = alive & owners
             for endpoint in alive:
-                matched[endpoint] = i + 1
+                if endpoint not in survivors:
+                    matched[endpoint] = depth
+            alive = survivors
+            if not alive:
+                break  # before the next block is hashed: nobody can match it
+            depth += 1
+        for endpoint in alive:
+            matched[endpoint] = depth
         return matched
 
     def add(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 
 import msgspec
 import pytest
+import xxhash
 
 from epp.approxindex import (
     ApproxPrefixIndex,
@@ -14,6 +16,7 @@ from epp.approxindex import (
     chain_seed,
     prompt_blocks,
 )
+from epp.datastore import Endpoint
 from epp.requests import InferenceRequest, parse_request
 from tests.plugins.helpers import make_endpoints
 
@@ -94,6 +97,112 @@ def test_chat_and_responses_prompts_have_blocks() -> None:
     )
     assert responses.total >= 1
     assert prompt_blocks(request({"model": "m"}, "/v1/models"), 4) is None
+
+
+def chained(text: str, step: int, seed: int, blocks: int) -> list[int]:
+    """The definition of a text's block hashes: each block of `step` characters
+    encoded as UTF-8 (surrogates passed through), hashed on the one before."""
+    hashes: list[int] = []
+    previous = seed
+    for n in range(blocks):
+        chunk = text[n * step : (n + 1) * step].encode("utf-8", "surrogatepass")
+        previous = xxhash.xxh3_64_intdigest(chunk, previous)
+        hashes.append(previous)
+    return hashes
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain ASCII words, " * 40,
+        "x" * 16 * 5,  # whole blocks only
+        "naïve café, 日本語 and emoji 😀 " * 10,
+        "ASCII until the very end" * 5 + "é",
+        "a lone surrogate \ud800 in ASCII " * 6,
+        "\udc80" * 40,
+        "",
+    ],
+)
+@pytest.mark.parametrize("max_blocks", [0, 1, 3])
+def test_ascii_and_other_text_hash_as_their_utf8_blocks(text: str, max_blocks: int) -> None:
+    """ASCII text is encoded once and sliced; other text is encoded block by block.
+    Both give each block the hash of its own UTF-8 bytes, chained, whether the
+    blocks are asked for one at a time, all at once, walked in order (with a
+    block asked for ahead of the walk) or beyond the cap."""
+    step, seed = 16, 12345
+    one_by_one = PromptBlocks(text, step, seed, max_blocks)
+    expected = chained(text, step, seed, one_by_one.uncapped + 1)
+    assert [one_by_one.hash(i) for i in range(one_by_one.total)] == expected[: one_by_one.total]
+    at_once = PromptBlocks(text, step, seed, max_blocks)
+    assert at_once.all() == expected[: at_once.total]
+    # Past the cap (no caller asks, but the hash is still the block's own).
+    assert at_once.hash(at_once.total) == expected[at_once.total]
+    walked = PromptBlocks(text, step, seed, max_blocks)
+    walk = walked.hashes()
+    seen = [next(walk)] if walked.total else []
+    if walked.total > 2:
+        assert walked.hash(2) == expected[2]
+    seen.extend(walk)
+    assert seen == expected[: walked.total]
+    # The encoded text goes once every block within the cap is hashed.
+    for blocks in (one_by_one, at_once, walked):
+        assert blocks._ascii is None
+
+
+def test_an_ascii_prefix_hashes_alike_in_ascii_and_in_other_text() -> None:
+    """The leading blocks an ASCII prompt shares with a prompt that goes on in
+    other characters hash alike: a prefix is matched whatever follows it."""
+    head = "shared system prompt, ASCII only. " * 4
+    ascii_blocks = blocks_of({"model": "m", "prompt": head + "and an ASCII question"})
+    other_blocks = blocks_of({"model": "m", "prompt": head + "and a question in 日本語"})
+    assert ascii_blocks._ascii is not None
+    assert other_blocks._ascii is None
+    whole = len(head) // 16
+    assert ascii_blocks.all()[:whole] == other_blocks.all()[:whole]
+
+
+def reference_match(
+    index: ApproxPrefixIndex, blocks: PromptBlocks, candidates: Collection[Endpoint]
+) -> dict[Endpoint, int]:
+    """`match`'s definition: per candidate holding the first block, the number of
+    leading blocks it holds, walking the blocks while any candidate still holds
+    them all."""
+    matched: dict[Endpoint, int] = {}
+    alive = set(candidates)
+    for i in range(blocks.total):
+        owners = index._owners.get(blocks.hash(i))
+        holders = set() if owners is None else {owners} if isinstance(owners, Endpoint) else owners
+        alive &= holders
+        if not alive:
+            break
+        for endpoint in alive:
+            matched[endpoint] = i + 1
+    return matched
+
+
+def test_match_is_the_leading_blocks_each_candidate_holds() -> None:
+    """`match` against its definition, over prompts sharing prefixes of every
+    length, recorded on one pod or several, some evicted, for every subset of
+    candidates: the same runs, and hashing stops where no candidate goes on."""
+    rng = random.Random(11)
+    pods = make_endpoints(5)
+    index = ApproxPrefixIndex()
+    stems = ["".join(rng.choice("abc") for _ in range(16 * 12)) for _ in range(3)]
+    for _ in range(200):
+        stem = rng.choice(stems)
+        text = stem[: rng.randrange(0, len(stem))] + "x" * rng.randrange(0, 40)
+        recorded = blocks_of({"model": "m", "prompt": text})
+        index.add(rng.choice(pods), recorded.all(), capacity=rng.choice([8, 40, 1000]))
+        probe_text = rng.choice(stems)[: rng.randrange(1, 16 * 12)]
+        candidates = rng.sample(pods, rng.randrange(1, len(pods) + 1))
+        probe = blocks_of({"model": "m", "prompt": probe_text})
+        found = index.match(probe, candidates)
+        hashed = len(probe._hashes)
+        fresh = blocks_of({"model": "m", "prompt": probe_text})
+        expected = reference_match(index, fresh, candidates)
+        assert found == expected
+        deepest = max(expected.values(), default=0)
+        assert hashed == min(deepest + 1, probe.total)
 
 
 def test_match_counts_leading_blocks_per_candidate() -> None:
