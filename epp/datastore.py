@@ -99,12 +99,20 @@ class EndpointMetrics:
     def known(self, fact: str, now: float) -> bool:
         """Whether `fact` (WAITING, ...) may be trusted: the snapshot is fresh and the
         page reported it with a valid value."""
-        return fact not in self.missing and not self.stale(now)
+        # `not self.stale(now)` spelled out: plugins ask this of every candidate.
+        if fact in self.missing or self.unreachable:
+            return False
+        age = now - self.updated_at if self.updated_at != 0.0 else math.inf
+        return not age > self.staleness_s
 
     def all_known(self, facts: Iterable[str], now: float) -> bool:
         """`known` for each of `facts`, the snapshot's age read once (a scorer reads
         several facts of every candidate in a pick)."""
-        return not self.stale(now) and self.missing.keys().isdisjoint(facts)
+        # `not self.stale(now)` spelled out, as in `known`.
+        if self.unreachable:
+            return False
+        age = now - self.updated_at if self.updated_at != 0.0 else math.inf
+        return not age > self.staleness_s and self.missing.keys().isdisjoint(facts)
 
 
 class Endpoint:

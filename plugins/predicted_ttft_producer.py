@@ -104,6 +104,7 @@ from epp.scheduling import (
     TTFT_OBSERVED,
     CycleState,
     PluginContext,
+    PrefixMatchInfo,
     ResponseInfo,
     SchedulingResult,
     StateKey,
@@ -265,7 +266,7 @@ class TtftPredictions:
     """What the producer leaves for one request: each pod's prediction, computed
     when first asked and then kept (so a pick reads every pod at one instant)."""
 
-    __slots__ = ("_cache", "_cycle", "_pairs", "_producer", "_request", "candidates")
+    __slots__ = ("_cache", "_cycle", "_pairs", "_prefix", "_producer", "_request", "candidates")
 
     def __init__(
         self,
@@ -281,6 +282,15 @@ class TtftPredictions:
         self.candidates = tuple(candidates)
         self._cache: dict[Endpoint, TtftPrediction] = {}
         self._pairs: dict[tuple[Endpoint, Endpoint], TtftPrediction] = {}
+        self._prefix: PrefixMatchInfo | None = None
+
+    def _prefix_info(self) -> PrefixMatchInfo | None:
+        """The prefix producer's match for the request, read from the cycle once
+        it is there (a scorer asks `remembered_share` of every pod in a tie)."""
+        info = self._prefix
+        if info is None:
+            info = self._prefix = self._cycle.get(self._producer.prefix_key)
+        return info
 
     def decoding(self, endpoint: Endpoint) -> int:
         """Requests this EPP has on `endpoint` past their first token."""
@@ -290,7 +300,7 @@ class TtftPredictions:
         """The share of the prompt's blocks `endpoint` was ever sent and its prefix
         index still remembers, where the index tells that apart from what the pod
         still holds (`PrefixMatchInfo.remembered`); None where it does not."""
-        info = self._cycle.get(self._producer.prefix_key)
+        info = self._prefix_info()
         if info is None or info.remembered is None or info.total_blocks <= 0:
             return None
         return min(1.0, info.remembered.get(endpoint, 0.0) / info.total_blocks)
@@ -298,13 +308,13 @@ class TtftPredictions:
     @property
     def continues(self) -> bool:
         """The prompt continues an earlier one (its prefix producer says so)."""
-        info = self._cycle.get(self._producer.prefix_key)
+        info = self._prefix_info()
         return info is not None and info.continues
 
     @property
     def demand(self) -> float:
         """The share of recent requests whose longest held prefix is this one's."""
-        info = self._cycle.get(self._producer.prefix_key)
+        info = self._prefix_info()
         return 0.0 if info is None else info.demand
 
     @property
@@ -322,6 +332,12 @@ class TtftPredictions:
     def predict_all(self, endpoints: Sequence[Endpoint]) -> dict[Endpoint, TtftPrediction]:
         """`predict` for each of `endpoints` (those not predicted yet in one pass)."""
         cache = self._cache
+        if not cache:
+            # The usual case, a pick's first ask: the pass's own dict, in the order of
+            # `endpoints`, is the answer.
+            fresh = self._producer.predict_many(self._cycle, endpoints)
+            cache.update(fresh)
+            return fresh
         missing = [e for e in endpoints if e not in cache]
         if missing:
             cache.update(self._producer.predict_many(self._cycle, missing))
@@ -521,6 +537,7 @@ class PredictedTtftProducer:
             decode_pod = pods.get(decode)
             decode_waiting = self._waiting(decode, now)
         transfer_part = w6 * (transfer / 1e3)
+        fixed = w0 * 1.0  # the fixed term (its feature is 1), the same for every pod
         out: dict[Endpoint, TtftPrediction] = {}
         count_overdue = self.count_overdue
         for endpoint in endpoints:
@@ -559,18 +576,21 @@ class PredictedTtftProducer:
             # The terms in the model's order (FEATURES), summed in that order: the
             # same seconds as `TtftPrediction.parts` adds up. The pod's speed
             # scales its own prefill; the queue is already in its seconds.
+            # `attention_pairs` and the int-to-float conversions are spelled out: the
+            # same floats (a float times an int converts the int as `float` does),
+            # without four calls for each candidate.
             queue = w1 * queued
             prefill = w2 * (uncached / 1e3 * factor)
-            attention = w3 * (attention_pairs(uncached, cached) / 1e6 * factor)
+            attention = w3 * (uncached * (cached + uncached / 2.0) / 1e6 * factor)
             seconds = (
-                w0 * 1.0
+                fixed
                 + queue
                 + prefill
                 + attention
-                + w4 * float(decoding)
-                + w5 * float(waiting)
+                + w4 * decoding
+                + w5 * waiting
                 + transfer_part
-                + w7 * float(overdue)
+                + w7 * overdue
             )
             out[endpoint] = TtftPrediction(
                 seconds=seconds,

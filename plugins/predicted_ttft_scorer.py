@@ -338,19 +338,23 @@ class PredictedTtftScorer:
         its own count alone would make the stale pod read lighter than the rest."""
         now = self.clock()
         out: dict[Endpoint, int] = {}
-        stale: list[Endpoint] = []
+        stale: list[tuple[Endpoint, TtftPrediction]] = []
         reported = own = 0
         for e, p in predicted.items():
             m = e.metrics
             if m.all_known(_POD_REQUEST_FACTS, now):
-                out[e] = m.running_requests + m.waiting_requests + e.unseen_routed
-                reported += out[e]
+                count = m.running_requests + m.waiting_requests + e.unseen_routed
+                out[e] = count
+                reported += count
                 own += p.requests_in_flight
             else:
-                stale.append(e)
+                stale.append((e, p))
         ratio = max(1.0, reported / own) if own > 0 else 1.0
-        for e in stale:
-            out[e] = round(predicted[e].requests_in_flight * ratio)
+        for e, p in stale:
+            # At a ratio of 1 (no fresh pod, or no more requests than this EPP's own)
+            # the count is this EPP's own: `round(n * 1.0)` is n, without the call.
+            own_requests = p.requests_in_flight
+            out[e] = own_requests if ratio == 1.0 else round(own_requests * ratio)
         return out
 
     def score(
@@ -370,15 +374,41 @@ class PredictedTtftScorer:
         predicted = predictions.predict_all(endpoints)
         if not predicted:
             return {}
-        # `x if x > floor else floor`, not `max(floor, x)`: the same value (NaN
-        # included), and a pick on 64 pods takes the builtin's call 128 times.
-        seconds = {e: p.seconds if p.seconds > _FLOOR_S else _FLOOR_S for e, p in predicted.items()}
-        # Each pod's prefill queued ahead, and this request's own prefill where it
-        # is least (its work on the pod holding most of it).
-        queued = {e: p.queue_s for e, p in predicted.items()}
-        works = [p.own_work_s for p in predicted.values()]
-        least_work = min(works)
-        miss = max(works)  # the most any candidate would prefill: a miss's work
+        # One pass over the predictions gathers what the rules below compare, rather
+        # than a comprehension for each: per pod, its prediction (floored), the
+        # prefill queued ahead, its tokens in flight and the context it decodes;
+        # and this request's own prefill where it is least (its work on the pod
+        # holding most of it) and most (a miss's work).
+        seconds: dict[Endpoint, float] = {}
+        queued: dict[Endpoint, float] = {}
+        tokens: dict[Endpoint, int] = {}
+        # The prompt tokens each pod decodes (the context its decode steps read):
+        # the decode balance and the decode tie both compare them to their mean.
+        context: dict[Endpoint, int] = {}
+        with_context = self.decode_balance_factor is not None or self.tie_decode_factor is not None
+        idle_pods = busy_pods = requests = 0
+        least_work = miss = next(iter(predicted.values())).own_work_s
+        for e, p in predicted.items():
+            # `x if x > floor else floor`, not `max(floor, x)`: the same value (NaN
+            # included), without the builtin's call for each pod. The least and most
+            # work likewise as `min` and `max` find them (the first of equals).
+            s = p.seconds
+            seconds[e] = s if s > _FLOOR_S else _FLOOR_S
+            q = p.queue_s
+            queued[e] = q
+            if q <= 0.0:
+                idle_pods += 1
+            elif q > 0.0:
+                busy_pods += 1
+            own = p.own_work_s
+            if own < least_work:
+                least_work = own
+            if own > miss:
+                miss = own
+            requests += p.requests_in_flight
+            tokens[e] = p.tokens_in_flight
+            if with_context:
+                context[e] = p.decoding_tokens
         share = min(predictions.continuing_share, _MAX_SHARE)
         new_session = share > 0.0 and not predictions.continues
         # With `sessionTieShare`: a request that continues none while that share of
@@ -398,15 +428,17 @@ class PredictedTtftScorer:
             # geometrically), about this turn's own prefill for each request the pod
             # has in flight above the fleet's mean, and credited as much below it.
             turns = share / (1.0 - share)
-            loads = {e: p.requests_in_flight for e, p in predicted.items()}
-            mean = sum(loads.values()) / len(loads)
-            charges = {e: turns * (loads[e] - mean) * least_work for e in endpoints}
-            seconds = {
-                e: c if (c := s + charges[e]) > _FLOOR_S else _FLOOR_S for e, s in seconds.items()
-            }
+            mean = requests / len(predicted)
+            charged: dict[Endpoint, float] = {}
+            for e, p in predicted.items():
+                charge = turns * (p.requests_in_flight - mean) * least_work
+                charges[e] = charge
+                s = seconds[e] + charge
+                charged[e] = s if s > _FLOOR_S else _FLOOR_S
+            seconds = charged
         best = min(seconds.values())
         # The share of candidates with no prefill queued.
-        idle = sum(q <= 0.0 for q in queued.values()) / len(queued)
+        idle = idle_pods / len(queued)
         # Ties are as wide as the predictions' error, a share of the best prediction,
         # whatever the queue weight.
         tie_base = best
@@ -452,7 +484,6 @@ class PredictedTtftScorer:
             best = min(seconds.values())
         # Crowded: more than `balanceFactor` times the fleet's mean tokens in flight.
         # Both the work weight and the tie rank count such a pod as holding nothing.
-        tokens = {e: p.tokens_in_flight for e, p in predicted.items()}
         crowded: set[Endpoint]
         if (
             self.crowded_from_demand_pods is not None
@@ -468,11 +499,6 @@ class PredictedTtftScorer:
             crowded = set()
         else:
             crowded = _above(tokens, self.balance_factor)
-        # The prompt tokens each pod decodes (the context its decode steps read):
-        # the decode balance and the decode tie both compare them to their mean.
-        context: dict[Endpoint, int] = {}
-        if self.decode_balance_factor is not None or self.tie_decode_factor is not None:
-            context = {e: p.decoding_tokens for e, p in predicted.items()}
         if self.decode_balance_factor is not None:
             # Decode-heavy: the contexts this pod decodes are far above the fleet's
             # mean, so every stream there steps slowly; a hit there is charged as a
@@ -510,7 +536,7 @@ class PredictedTtftScorer:
             # would prefill): the tie rule already treats it as holding nothing,
             # and a hot prompt's holders would otherwise keep every request
             # until their queues outweighed several whole prefills elsewhere.
-            busy = sum(q > 0.0 for q in queued.values()) / len(queued)
+            busy = busy_pods / len(queued)
             start = self.work_weight_busy_from
             if self.work_weight_busy_for_s is None:
                 # With `workWeightBusyFrom`, nothing until that share of the pods

@@ -84,15 +84,21 @@ def run_profile(
         started = clock()
         raw = slot_s.plugin.score(request, cycle, endpoints)
         slot_s.observe(clock() - started)
-        clamped = {e: _clamp(raw.get(e, 0.0)) for e in endpoints}
-        scores[slot_s.name] = clamped
+        clamped: dict[Endpoint, float] = {}
         weight = weighted.weight
-        for endpoint, value in clamped.items():
+        for endpoint in totals:  # `endpoints` once each, in their order
+            value = raw.get(endpoint, 0.0)
+            # A float within [0, 1] (most scores) is `_clamp`'s answer already: no call.
+            if not (type(value) is float and 0.0 <= value <= 1.0):
+                value = _clamp(value)
+            clamped[endpoint] = value
             totals[endpoint] += weight * value
+        scores[slot_s.name] = clamped
     weight_sum = profile.weight_sum
-    scored = tuple(
-        ScoredEndpoint(e, totals[e] / weight_sum if weight_sum > 0 else 0.0) for e in endpoints
-    )
+    if weight_sum > 0:
+        scored = tuple([ScoredEndpoint(e, totals[e] / weight_sum) for e in endpoints])
+    else:
+        scored = tuple([ScoredEndpoint(e, 0.0) for e in endpoints])
 
     started = clock()
     targets = tuple(profile.picker.plugin.pick(cycle, scored))

@@ -83,7 +83,12 @@ class PodLedger:
 
     def backlog(self, now: float) -> float:
         """Predicted seconds of prefill work ahead of a request arriving now."""
-        self._drain(now)
+        # `_drain` spelled out (`x if x > 0.0 else 0.0` is `max(0.0, x)`, NaN
+        # included): a pick asks this of every candidate.
+        if now > self._as_of:
+            left = self._backlog_s - (now - self._as_of)
+            self._backlog_s = left if left > 0.0 else 0.0
+            self._as_of = now
         return self._backlog_s
 
     @property

@@ -1,6 +1,6 @@
-"""EndpointMetrics' freshness rules: `stale` spells out `age` for speed, and
-`all_known` reads it once for several facts; both must say what `age` and `known`
-say, in every state a snapshot can be in."""
+"""EndpointMetrics' freshness rules: `stale` spells out `age` for speed, `known`
+spells out `stale`, and `all_known` reads the age once for several facts; each
+must say what its definition says, in every state a snapshot can be in."""
 
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ SNAPSHOTS = {
     "from the future (another clock)": EndpointMetrics(updated_at=NOW + 3.0, staleness_s=2.0),
     "never scraped, no threshold": EndpointMetrics(staleness_s=math.inf),
 }
+
+
+@pytest.mark.parametrize("name", list(SNAPSHOTS))
+@pytest.mark.parametrize("fact", [WAITING, RUNNING])
+def test_known_is_a_reported_fact_of_a_snapshot_not_stale(name: str, fact: str) -> None:
+    metrics = SNAPSHOTS[name]
+    expected = fact not in metrics.missing and not metrics.stale(NOW)
+    assert metrics.known(fact, NOW) is expected
 
 
 @pytest.mark.parametrize("name", list(SNAPSHOTS))

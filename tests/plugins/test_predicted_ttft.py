@@ -204,9 +204,12 @@ def test_a_pick_predicts_every_candidate_in_one_pass_as_the_model_adds_up() -> N
         assert batch.describe() == single.describe()
         assert batch.x == single.x
         assert batch.seconds == single.seconds
-        assert batch.seconds == pytest.approx(
-            sum(w * v for w, v in zip(weights, batch.x, strict=True))
-        )
+        # The model's terms on the feature vector, added one by one in its order:
+        # the same float, not only a close one.
+        added = 0.0
+        for w, v in zip(weights, batch.x, strict=True):
+            added += w * v
+        assert batch.seconds == added
         assert batch.own_work_s == pytest.approx(batch.parts["prefill"] + batch.parts["attention"])
         assert batch.queue_s == batch.parts["queued"]
         assert batch.requests_in_flight == fleet.producer.requests_in_flight(pod)
@@ -224,6 +227,53 @@ def test_a_pick_predicts_every_candidate_in_one_pass_as_the_model_adds_up() -> N
     assert predicted[fresh].factor == 1.0
     assert predicted[decoding].cached_tokens == 3200
     assert predicted[waiting].cached_tokens == 0
+
+
+def test_predict_all_keeps_what_was_predicted_in_the_endpoints_order() -> None:
+    fleet = Fleet()
+    a, b, c = pods = make_endpoints(3)
+    key = predicted_ttft_key("predicted-ttft-producer")
+    _, cycle = fleet.cycle({b: 50.0})
+    predictions = cycle.get(key)
+    assert predictions is not None
+    first = predictions.predict(b)
+    together = predictions.predict_all([c, b, a])
+    assert list(together) == [c, b, a]
+    assert together[b] is first
+    again = predictions.predict_all(pods)
+    assert list(again) == pods
+    assert all(again[p] is together[p] for p in pods)
+    # A pick's first ask answers with a dict of the caller's own: emptying it
+    # forgets nothing.
+    _, other = fleet.cycle({b: 50.0})
+    fresh = other.get(key)
+    assert fresh is not None
+    answer = fresh.predict_all(pods)
+    kept = dict(answer)
+    answer.clear()
+    assert all(fresh.predict(p) is kept[p] for p in pods)
+    assert [p.seconds for p in kept.values()] == [together[p].seconds for p in pods]
+
+
+def test_the_prefix_match_is_read_once_the_prefix_producer_has_left_it() -> None:
+    fleet = Fleet()
+    a, b = make_endpoints(2)
+    cycle = CycleState()
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+    assert predictions is not None
+    # Asked before the match is there: nothing is known yet, and nothing is kept.
+    assert predictions.remembered_share(a) is None
+    assert not predictions.continues
+    assert predictions.demand == 0.0
+    cycle.put(
+        prefix_match_key("approx-prefix-cache-producer"),
+        PrefixMatchInfo(100, 40, {}, continues=True, remembered={b: 40.0}, demand=0.25),
+    )
+    assert predictions.remembered_share(a) == 0.0
+    assert predictions.remembered_share(b) == 0.4
+    assert predictions.continues
+    assert predictions.demand == 0.25
 
 
 def test_predictions_learn_the_pods_speed_from_observed_first_tokens() -> None:
@@ -1174,6 +1224,27 @@ def test_spread_by_pod_requests_scales_a_stale_pods_own_requests_by_the_fleets_r
     fresh = a_scrape == "fresh"
     _assert_charged_a_miss(explained, a, 0.0 if fresh else 2 / 3)
     assert [explained[e]["podRequests"] for e in (a, b, c)] == [4 if fresh else 8, 2, 0]
+
+
+def test_spread_by_pod_requests_counts_this_epps_own_where_no_scrape_is_fresh() -> None:
+    """No pod has a fresh scrape (none ever reported): there is no other replica's
+    share to scale by, and each pod counts the requests this EPP has on it."""
+    fleet = Fleet(
+        scorer=PredictedTtftScorer.Parameters(spread_factor=2.0, spread_by_pod_requests=True),
+        initialContinuingShare=0.0,
+    )
+    a, b, c = make_endpoints(3)
+    for _ in range(3):
+        fleet.route(a)
+    fleet.route(b)
+    cycle = CycleState()
+    info = PrefixMatchInfo(100, 40, {a: 95.0}, continues=False)
+    cycle.put(prefix_match_key("approx-prefix-cache-producer"), info)
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    explained = _explained(cycle, (a, b, c))
+    assert [explained[e]["podRequests"] for e in (a, b, c)] == [3, 1, 0]
+    assert all(type(explained[e]["podRequests"]) is int for e in (a, b, c))
 
 
 def test_a_spread_factor_of_one_or_less_is_refused() -> None:

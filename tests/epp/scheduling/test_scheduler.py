@@ -215,6 +215,59 @@ def test_scores_are_clamped_nan_is_zero_missing_is_zero() -> None:
     assert totals == by_name
 
 
+def test_scores_within_range_are_kept_and_the_others_made_floats() -> None:
+    """A float in [0, 1] is the clamped score as it is (-0.0 included); an int, a
+    bool or a float subclass is turned into a float, in range or not."""
+
+    class Share(float):
+        pass
+
+    eps = make_endpoints("int", "bool", "share", "big", "zero", "negzero", "one")
+    table = {
+        "int": 1,
+        "bool": True,
+        "share": Share(0.5),
+        "big": 7,
+        "zero": 0.0,
+        "negzero": -0.0,
+        "one": 1.0,
+    }
+    result = run_profile(
+        profile(scorers=[("s", TableScorer(table), 1.0)]), make_request(), CycleState(), eps
+    )
+    clamped = {e.name: v for e, v in result.scores["s"].items()}
+    assert clamped == {
+        "int": 1.0,
+        "bool": 1.0,
+        "share": 0.5,
+        "big": 1.0,
+        "zero": 0.0,
+        "negzero": 0.0,
+        "one": 1.0,
+    }
+    assert all(type(v) is float for v in clamped.values())
+    assert math.copysign(1.0, clamped["negzero"]) == -1.0
+
+
+def test_totals_add_the_weighted_scores_in_the_scorers_order() -> None:
+    eps = make_endpoints("a", "b")
+    s1 = TableScorer({"a": 0.1, "b": 0.7})
+    s2 = TableScorer({"a": 0.2, "b": 0.3})
+    s3 = TableScorer({"a": 0.3})
+    result = run_profile(
+        profile(scorers=[("s1", s1, 0.7), ("s2", s2, 0.1), ("s3", s3, 0.2)]),
+        make_request(),
+        CycleState(),
+        eps,
+    )
+    weight_sum = 0.7 + 0.1 + 0.2
+    totals = [s.score for s in result.scored]
+    assert totals == [
+        (0.0 + 0.7 * 0.1 + 0.1 * 0.2 + 0.2 * 0.3) / weight_sum,
+        (0.0 + 0.7 * 0.7 + 0.1 * 0.3 + 0.2 * 0.0) / weight_sum,
+    ]
+
+
 def test_weighted_mean_of_scores() -> None:
     eps = make_endpoints("a", "b", "c")
     s1 = TableScorer({"a": 1.0, "b": 0.5, "c": 0.0})
