@@ -108,10 +108,12 @@ def explain_note(cycle: CycleState, plugin: str, facts: Mapping[str, Any]) -> No
     notes[plugin] = dict(facts)
 
 
-class ScoredEndpoint(msgspec.Struct, frozen=True):
+class ScoredEndpoint(msgspec.Struct, frozen=True, gc=False):
     """An endpoint and the profile's weighted total for it. A msgspec struct: a pick
     makes one per candidate, and a frozen dataclass's `__init__` (through
-    `object.__setattr__`) costs several times as much."""
+    `object.__setattr__`) costs several times as much. Not tracked by the garbage
+    collector (`gc=False`: it refers to an endpoint and a float, so it can be in
+    no cycle): on 64 pods, 64 fewer objects a pick for its collections to visit."""
 
     endpoint: Endpoint
     score: float  # the profile's weighted total, in [0, 1]
