@@ -44,7 +44,7 @@ import msgspec
 import yaml
 import zmq.asyncio
 
-from bench.provenance import provenance
+from bench.provenance import emit, provenance
 from bench.stats import latency_ms
 from epp.config import load_config
 from epp.datastore import Datastore, EndpointSpec
@@ -516,6 +516,32 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def fill_precise_index(
+    entries: int, holders: int, pods: int
+) -> tuple[PrefixIndex, list[StreamIndex]]:
+    """A fresh precise index holding `entries` (block, pod) entries over `pods`
+    endpoints, filled through the KV-event ingestion: 16-block BlockStored events
+    with their tokens, each applied to `holders` pods' streams. Engine hashes are
+    random ints created here, like the decoded events' are."""
+    rng = random.Random(11)
+    datastore = Datastore()
+    datastore.replace_all(EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000") for i in range(pods))
+    index = PrefixIndex(entries * 2, {"gpu": 1.0, "cpu": 0.8})
+    precise = PreciseIndex(index, 16, None, None)
+    streams = [precise.add_stream(e, 0) for e in datastore.all_endpoints()]
+    per_event = 16
+    for n in range(0, entries // holders, per_event):
+        # As the decoder hands them over: an engine hash's low 60 bits.
+        hashes = [rng.getrandbits(64) & HASH_MASK for _ in range(per_event)]
+        tokens = [rng.getrandbits(17) for _ in range(per_event * 16)]
+        batch = EventBatch(0.0, [BlockStored(hashes, None, tokens, 16, "gpu")])
+        del hashes, tokens
+        for h in range(holders):
+            streams[(n // 1024 + h * 5) % pods].apply(batch)
+        del batch
+    return index, streams
+
+
 def memory_worker(entries: int, holders: int, mode: str, pods: int = 16) -> dict[str, Any]:
     """Fill a fresh index with `entries` (block, pod) entries through the KV-event
     ingestion (16-block BlockStored events with their tokens, each applied to
@@ -529,27 +555,11 @@ def memory_worker(entries: int, holders: int, mode: str, pods: int = 16) -> dict
     (`map_bytes_per_entry`, per map entry): what one map shared by the pods would
     save is that figure times the entries it would not need (holders - 1 of every
     `holders`)."""
-    rng = random.Random(11)
-    datastore = Datastore()
-    datastore.replace_all(EndpointSpec(f"pod-{i}", f"10.0.0.{i + 1}:8000") for i in range(pods))
-    endpoints = datastore.all_endpoints()
     gc.collect()
     if mode == "tracemalloc":
         tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0] if mode == "tracemalloc" else _rss_bytes()
-    index = PrefixIndex(entries * 2, {"gpu": 1.0, "cpu": 0.8})
-    precise = PreciseIndex(index, 16, None, None)
-    streams = [precise.add_stream(e, 0) for e in endpoints]
-    per_event = 16
-    for n in range(0, entries // holders, per_event):
-        # As the decoder hands them over: an engine hash's low 60 bits.
-        hashes = [rng.getrandbits(64) & HASH_MASK for _ in range(per_event)]
-        tokens = [rng.getrandbits(17) for _ in range(per_event * 16)]
-        batch = EventBatch(0.0, [BlockStored(hashes, None, tokens, 16, "gpu")])
-        del hashes, tokens
-        for h in range(holders):
-            streams[(n // 1024 + h * 5) % pods].apply(batch)
-        del batch
+    index, streams = fill_precise_index(entries, holders, pods)
     gc.collect()
     after = tracemalloc.get_traced_memory()[0] if mode == "tracemalloc" else _rss_bytes()
     map_entries = sum(len(s.engine_keys) for s in streams)
@@ -641,11 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = asyncio.run(measure_configs(configs, [args.pods], args.iterations))
         results["configs"] = measured[args.pods]
     results.update(provenance(command))
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(results, args.out)
     return 0
 
 

@@ -4,6 +4,7 @@ run, the commit it measured and what else the host was doing."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -71,6 +72,16 @@ def provenance(command: str) -> dict[str, Any]:
             "load_average_1m": round(os.getloadavg()[0], 2),
         },
     }
+
+
+def emit(document: dict[str, Any], out: Path | None) -> None:
+    """Print a finished result `document` (its `provenance` merged in) as JSON, and
+    write it to `out` when given."""
+    text = json.dumps(document, indent=2)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 def produced_by(document: dict[str, Any]) -> list[str]:

@@ -21,24 +21,27 @@ prompt for an endpoint inserts its blocks deepest first, so the shared first
 blocks are the most recently used and, under pressure, the deep tail goes first.
 
 Memory: one entry per (endpoint, block), at most the sum of the endpoints'
-capacities (about 200 bytes each in CPython). An endpoint removed from the pool
-leaves the index with all its entries.
+capacities (about 230 bytes each in CPython, a window entry included). An endpoint
+removed from the pool leaves the index with all its entries.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from collections import OrderedDict
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Final
 
 import xxhash
+from lru import LRU
 
 from epp.datastore import Endpoint
+from epp.kvindex.index import bits
 from epp.requests import ChatPrompt, CompletionPrompt, InferenceRequest, Message, ResponsesPrompt
 
 DEFAULT_CHARS_PER_TOKEN: Final = 4.0
+# An LRU's own bound, never reached: `add` evicts down to the capacity it is given.
+_UNBOUNDED: Final = 1 << 62
 # Prompt ends remembered for `continues` (8 bytes of hash and a dict entry each).
 MAX_PROMPT_ENDS: Final = 65_536
 
@@ -278,21 +281,31 @@ class PrefixDemand:
 
 
 class ApproxPrefixIndex:
-    """Per-endpoint LRUs of block hashes, and the endpoints holding each hash."""
+    """Per-endpoint LRUs of block hashes, and the endpoints holding each hash.
+
+    The garbage collector never walks the index, however large: the LRUs are
+    lru-dict's, which it does not track, and the owners map holds ints only (an
+    endpoint is a bit of a slot mask), which CPython does not track either. With
+    OrderedDict LRUs and endpoint-valued owners, every full collection walked all
+    the entries with the event loop stalled (docs/performance.md, "Garbage
+    collection")."""
 
     def __init__(self) -> None:
-        self._lrus: dict[Endpoint, OrderedDict[int, None]] = {}
+        # Each endpoint recorded has a slot: bit `1 << slot` in the owner masks.
+        self._bit_of: dict[Endpoint, int] = {}
+        self._endpoint_at: list[Endpoint | None] = []
+        self._free_slots: list[int] = []
+        self._lrus: dict[Endpoint, LRU[int, None]] = {}
         # Per endpoint, the blocks recorded within its last `window` distinct ones
         # (`add`'s window): what its cache can still hold, a subset of its LRU.
-        self._recent: dict[Endpoint, OrderedDict[int, None]] = {}
-        # A hash held by one endpoint (the usual case) maps to it directly; only
-        # shared hashes pay for a set.
-        self._owners: dict[int, Endpoint | set[Endpoint]] = {}
+        self._recent: dict[Endpoint, LRU[int, None]] = {}
+        # Per hash, the mask of the endpoints holding it.
+        self._owners: dict[int, int] = {}
         self.evictions = 0
         self._size = 0
         # The last whole block of each prompt recorded, most recent last: a later
         # prompt whose match ends on one of them continues that prompt.
-        self._ends: OrderedDict[int, None] = OrderedDict()
+        self._ends: LRU[int, None] = LRU(MAX_PROMPT_ENDS)
 
     @property
     def size(self) -> int:
@@ -302,6 +315,21 @@ class ApproxPrefixIndex:
     def blocks_of(self, endpoint: Endpoint) -> int:
         lru = self._lrus.get(endpoint)
         return len(lru) if lru is not None else 0
+
+    def holders(self, h: int) -> set[Endpoint]:
+        """The endpoints holding block hash `h`."""
+        endpoints = self._endpoint_at
+        found: set[Endpoint] = set()
+        for slot in bits(self._owners.get(h, 0)):
+            endpoint = endpoints[slot]
+            assert endpoint is not None
+            found.add(endpoint)
+        return found
+
+    @property
+    def distinct_blocks(self) -> int:
+        """Block hashes held by at least one endpoint."""
+        return len(self._owners)
 
     def match(self, blocks: PromptBlocks, candidates: Collection[Endpoint]) -> dict[Endpoint, int]:
         """Per candidate holding the prompt's first block: how many leading blocks
@@ -313,40 +341,33 @@ class ApproxPrefixIndex:
         owners = None if first is None else owners_of.get(first)
         if owners is None:
             return matched
-        wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-        if isinstance(owners, Endpoint):
-            alive = {owners} if owners in wanted else set()
-        else:
-            alive = owners & wanted
+        bit_of = self._bit_of
+        wanted = 0
+        for endpoint in candidates:
+            wanted |= bit_of.get(endpoint, 0)
+        alive = owners & wanted
         if not alive:
             return matched
-        # Each endpoint in `alive` holds blocks [0, depth). An endpoint's match is
+        endpoints = self._endpoint_at
+        # The endpoints in `alive` hold blocks [0, depth). An endpoint's match is
         # set when it drops out and the last ones' at the end, not on every block.
         depth = 1
         for h in hashes:
             owners = owners_of.get(h)
             if owners is None:
                 break
-            # The usual case first: every endpoint still matching holds this block.
-            if isinstance(owners, Endpoint):
-                if owners in alive and len(alive) == 1:
-                    depth += 1
-                    continue
-                survivors = {owners} if owners in alive else set()
-            elif alive <= owners:
-                depth += 1
+            survivors = alive & owners
+            if survivors == alive:
+                depth += 1  # the usual case: every endpoint still matching holds it
                 continue
-            else:
-                survivors = alive & owners
-            for endpoint in alive:
-                if endpoint not in survivors:
-                    matched[endpoint] = depth
+            for slot in bits(alive ^ survivors):
+                matched[endpoints[slot]] = depth  # type: ignore[index]
             alive = survivors
             if not alive:
                 break  # before the next block is hashed: nobody can match it
             depth += 1
-        for endpoint in alive:
-            matched[endpoint] = depth
+        for slot in bits(alive):
+            matched[endpoints[slot]] = depth  # type: ignore[index]
         return matched
 
     def add(
@@ -358,37 +379,30 @@ class ApproxPrefixIndex:
         if window is not None:
             recent = self._recent.get(endpoint)
             if recent is None:
-                recent = self._recent[endpoint] = OrderedDict()
+                recent = self._recent[endpoint] = LRU(_UNBOUNDED)
             for h in reversed(hashes):
-                if h in recent:
-                    recent.move_to_end(h)
-                else:
-                    recent[h] = None
+                recent[h] = None
             limit = min(window, capacity)
             while len(recent) > limit:
-                recent.popitem(last=False)
+                recent.popitem()
         lru = self._lrus.get(endpoint)
         if lru is None:
-            lru = self._lrus[endpoint] = OrderedDict()
+            lru = self._lrus[endpoint] = LRU(_UNBOUNDED)
+        bit = self._bit_of.get(endpoint)
+        if bit is None:
+            bit = self._take_slot(endpoint)
         owners_of = self._owners
+        held = len(lru)
         for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
-                continue
-            lru[h] = None
-            self._size += 1
-            owners = owners_of.get(h)
-            if owners is None:
-                owners_of[h] = endpoint
-            elif isinstance(owners, Endpoint):
-                if owners is not endpoint:
-                    owners_of[h] = {owners, endpoint}
-            else:
-                owners.add(endpoint)
-        while len(lru) > capacity:
-            old, _ = lru.popitem(last=False)
-            self._disown(old, endpoint)
-            self.evictions += 1
+            if h not in lru:
+                owners = owners_of.get(h)
+                owners_of[h] = bit if owners is None else owners | bit
+            lru[h] = None  # (again): now the most recently used
+        self._size += len(lru) - held
+        if len(lru) > capacity:
+            evicted = [lru.popitem()[0] for _ in range(len(lru) - capacity)]
+            self.evictions += len(evicted)
+            self._disown(evicted, bit)
 
     def mark_end(self, blocks: PromptBlocks) -> None:
         """Remember where `blocks` (a recorded prompt) ends, if it ends within the
@@ -396,11 +410,7 @@ class ApproxPrefixIndex:
         if blocks.full < 1 or blocks.total < blocks.uncapped:
             return
         ends = self._ends
-        end = blocks.hash(blocks.full - 1)
-        ends[end] = None
-        ends.move_to_end(end)
-        if len(ends) > MAX_PROMPT_ENDS:
-            ends.popitem(last=False)
+        ends[blocks.hash(blocks.full - 1)] = None  # the oldest goes past MAX_PROMPT_ENDS
 
     def continues(self, blocks: PromptBlocks, matched: Mapping[Endpoint, int]) -> bool:
         """Whether the prompt's longest match ends exactly where an earlier recorded
@@ -433,22 +443,34 @@ class ApproxPrefixIndex:
         """Forget everything about an endpoint (it left the pool)."""
         self._recent.pop(endpoint, None)
         lru = self._lrus.pop(endpoint, None)
-        if lru is None:
+        bit = self._bit_of.pop(endpoint, None)
+        if bit is None:
             return
-        for h in lru:
-            self._disown(h, endpoint)
+        if lru is not None:
+            self._disown(lru.keys(), bit)
+        # Its bit is in no mask any more: the slot can go to another endpoint.
+        slot = bit.bit_length() - 1
+        self._endpoint_at[slot] = None
+        self._free_slots.append(slot)
 
-    def _disown(self, h: int, endpoint: Endpoint) -> None:
-        self._size -= 1
-        owners = self._owners.get(h)
-        if owners is None:
-            return
-        if isinstance(owners, Endpoint):
-            if owners is endpoint:
-                del self._owners[h]
-            return
-        owners.discard(endpoint)
-        if len(owners) == 1:
-            self._owners[h] = next(iter(owners))
-        elif not owners:
-            del self._owners[h]
+    def _take_slot(self, endpoint: Endpoint) -> int:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._endpoint_at[slot] = endpoint
+        else:
+            slot = len(self._endpoint_at)
+            self._endpoint_at.append(endpoint)
+        bit = self._bit_of[endpoint] = 1 << slot
+        return bit
+
+    def _disown(self, hashes: Sequence[int], bit: int) -> None:
+        """`hashes` are no longer held by the endpoint of `bit`."""
+        self._size -= len(hashes)
+        owners_of = self._owners
+        keep = ~bit
+        for h in hashes:
+            rest = owners_of.get(h, 0) & keep
+            if rest:
+                owners_of[h] = rest
+            else:
+                owners_of.pop(h, None)

@@ -29,12 +29,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+from lru import LRU
 from prometheus_client.registry import Collector
 from xxhash import xxh3_64_intdigest
 
@@ -351,9 +351,12 @@ class PrecisePrefixService:
         self.stats = LookupStats()
         # Where each routed prompt ended (record_pick, `_mark_end`): a digest of its
         # last blocks, seeded with the last key its lookup computed.
-        self._prompt_ends: OrderedDict[int, None] = OrderedDict()
+        self._prompt_ends: LRU[int, None] = LRU(MAX_PROMPT_ENDS)
         # anchor key -> the tail lengths (blocks) of the prompts anchored there
         self._end_anchors: dict[int, tuple[int, ...]] = {}
+        # The anchors, least recently marked first (a dict deleted from its front
+        # costs each later `next(iter())` a scan over the deleted slots).
+        self._anchor_order: LRU[int, None] = LRU(1 << 62)
         self._log_once = LogOnce(log)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -545,19 +548,16 @@ class PrecisePrefixService:
         bb = found.blocks.block_bytes
         start = (anchor + 1) * bb
         end = xxh3_64_intdigest(found.blocks.data[start : start + tail * bb], seed=keys[anchor])
-        ends = self._prompt_ends
-        ends[end] = None
-        ends.move_to_end(end)
+        self._prompt_ends[end] = None  # the oldest goes past MAX_PROMPT_ENDS
         # Conversations over one system prompt share its anchor: a few tail lengths
         # are kept per anchor, the most recent.
-        tails = self._end_anchors.pop(keys[anchor], ())
-        self._end_anchors[keys[anchor]] = (tail, *(t for t in tails if t != tail))[
-            :MAX_TAILS_PER_ANCHOR
-        ]
-        if len(ends) > MAX_PROMPT_ENDS:
-            ends.popitem(last=False)
-        if len(self._end_anchors) > MAX_PROMPT_ENDS:
-            del self._end_anchors[next(iter(self._end_anchors))]
+        anchors = self._end_anchors
+        tails = anchors.get(keys[anchor], ())
+        anchors[keys[anchor]] = (tail, *(t for t in tails if t != tail))[:MAX_TAILS_PER_ANCHOR]
+        order = self._anchor_order
+        order[keys[anchor]] = None
+        if len(order) > MAX_PROMPT_ENDS:
+            del anchors[order.popitem()[0]]
 
     def _probe(self, found: PromptMatch, endpoint: Endpoint) -> None:
         """Expect the key of the prompt's probe block in `endpoint`'s events."""

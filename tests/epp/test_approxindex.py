@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Collection
 
@@ -170,9 +171,7 @@ def reference_match(
     matched: dict[Endpoint, int] = {}
     alive = set(candidates)
     for i in range(blocks.total):
-        owners = index._owners.get(blocks.hash(i))
-        holders = set() if owners is None else {owners} if isinstance(owners, Endpoint) else owners
-        alive &= holders
+        alive &= index.holders(blocks.hash(i))
         if not alive:
             break
         for endpoint in alive:
@@ -256,7 +255,8 @@ def test_shared_blocks_and_removal() -> None:
     assert index.size == 3
     index.remove(b)
     assert index.size == 0
-    assert index._owners == {}
+    assert index.distinct_blocks == 0
+    assert index.holders(blocks.hash(0)) == set()
 
 
 def test_hashing_stops_where_no_candidate_can_match() -> None:
@@ -370,3 +370,59 @@ def test_prefix_demand_refuses_a_window_or_bound_that_counts_nothing(
 ) -> None:
     with pytest.raises(ValueError, match="window must be >= 2 and max_keys >= 1"):
         PrefixDemand(window=window, max_keys=max_keys)
+
+
+def collector_walk(root: object) -> int:
+    """How many references the cyclic garbage collector follows from `root` through
+    the tracked containers it reaches (types, shared by everything, not followed)."""
+    seen: set[int] = set()
+    stack = [root]
+    followed = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or not gc.is_tracked(obj) or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        referents = gc.get_referents(obj)
+        followed += len(referents)
+        stack.extend(referents)
+    return followed
+
+
+def test_the_garbage_collector_walks_as_much_of_a_full_index_as_of_an_empty_one() -> None:
+    """A full collection must not stall the event loop in proportion to the index:
+    however many blocks the endpoints hold, shared or not, in windows or evicted,
+    the collector follows the same few references through it."""
+    rng = random.Random(3)
+    pods = make_endpoints(4)
+    walks = []
+    for prompts in (1, 400):
+        index = ApproxPrefixIndex()
+        shared = [rng.getrandbits(64) for _ in range(20)]
+        for i in range(prompts):
+            own = [rng.getrandbits(64) for _ in range(30)]
+            for pod in pods[: len(pods) if i == 0 else 1 + i % len(pods)]:
+                index.add(pod, shared + own, capacity=5_000, window=1_000)
+            index.mark_end(blocks_of({"model": "m", "prompt": f"prompt {i} " * 8}))
+        index.remove(pods[-1])
+        if prompts > 1:
+            assert index.size > 10_000 and index.evictions > 0
+        walks.append(collector_walk(index))
+    assert walks[0] == walks[1]
+
+
+def test_an_endpoint_taking_a_removed_ones_place_inherits_none_of_its_blocks() -> None:
+    index = ApproxPrefixIndex()
+    a, b, c = make_endpoints(3)
+    mine = blocks_of({"model": "m", "prompt": "a" * 64})
+    theirs = blocks_of({"model": "m", "prompt": "b" * 64})
+    index.add(a, mine.all(), 100)
+    index.add(b, mine.all()[:2], 100)
+    index.remove(a)
+    index.add(c, theirs.all(), 100)  # c is given the slot a had
+    assert index.match(mine, [a, b, c]) == {b: 2}
+    assert index.match(theirs, [a, b, c]) == {c: 4}
+    assert index.holders(mine.hash(0)) == {b}
+    assert index.size == 6
+    index.add(a, theirs.all(), 100)  # a comes back: a slot of its own again
+    assert index.match(theirs, [a, b, c]) == {a: 4, c: 4}
