@@ -5,8 +5,9 @@ CPython's cyclic garbage collector runs on the thread that runs the event loop, 
 while it works the EPP answers nobody: every request arriving meanwhile waits. A
 young collection (generation 0 or 1) looks only at recent objects; a full one
 (generation 2) walks every container the collector tracks, however old, and comes
-whenever enough objects have survived the younger ones, which on a busy EPP is a
-matter of seconds to minutes. Its cost is what the long-lived state makes the
+whenever enough objects have survived the younger ones (in CPython 3.11, when those
+that survived since the last full one outnumber a quarter of the long-lived ones).
+Its cost is what the long-lived state makes the
 collector walk: an index that keeps its entries in tracked containers (an
 `OrderedDict` per endpoint, say) is walked entry by entry, every time.
 
