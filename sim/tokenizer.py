@@ -25,7 +25,8 @@ stable (a shared text prefix gives a shared token prefix, up to the word boundar
 
 - text is split into pieces: ChatML special tokens (`<|...|>`), words with their
   leading space (`" hello"`), single punctuation characters with their leading space,
-  and runs of whitespace;
+  and runs of whitespace (newlines never lead a word; a run of spaces before a
+  word leaves its last one to it);
 - a special token's id is fixed (`<|endoftext|>` 0, `<|im_start|>` 1, `<|im_end|>` 2);
   any other piece's id is 1,000 + CRC-32(piece, UTF-8) mod 99,000 (so < 100,000);
 - chat messages are rendered with a ChatML template (the same markup as Qwen's).
@@ -141,7 +142,15 @@ BUILTIN_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_PIECES = re.compile(r"<\|[^|<>\s]{1,40}\|>|\s?\w+|\s?[^\w\s]|\s+")
+# As a real tokenizer's pre-tokenizer does, so that a word is the same piece
+# whatever precedes it: a word or punctuation character takes one leading space
+# (or tab), never a newline; newlines go with the whitespace before them; a run of
+# spaces before a word leaves its last one to it; nothing runs into a special
+# token ("\n<|im_start|>": "\n", "<|im_start|>").
+_SPECIAL = r"<\|[^|<>\s]{1,40}\|>"
+_PIECES = re.compile(
+    rf"{_SPECIAL}|[^\S\r\n]?\w+|[^\S\r\n]?(?!{_SPECIAL})[^\w\s]|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _VOCAB_BASE = 1_000
 _VOCAB_SPAN = 99_000
 

@@ -136,3 +136,21 @@ def test_builtin_tokenizer_is_deterministic_and_prefix_stable() -> None:
     assert tokenizer.chat_template is not None
     rendered = tokenizer.chat_template.render([{"role": "user", "content": "Hi"}])
     assert rendered == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "before",
+    ["", "\n", "\n\n", "  ", "\t", " \n", "word", "x.", "<|im_start|>user\n", "<|im_end|>\n"],
+)
+def test_builtin_words_are_the_same_pieces_whatever_precedes_them(before: str) -> None:
+    """A message's words tokenize alike alone and inside the rendered chat, as a real
+    tokenizer's pre-tokenizer makes them: newlines never join the next word, a space
+    run leaves its last space to the word, nothing runs into a special token."""
+    tokenizer = BuiltinTokenizer()
+    words = " alpha beta, gamma."
+    assert tokenizer.encode(before + words)[-5:] == tokenizer.encode(words)
+    for text in ("Hello there.", " Hello there."):
+        head = tokenizer.encode(before + "\n", add_special_tokens=False)
+        assert tokenizer.encode(before + "\n" + text) == head + tokenizer.encode(text)
+    assert tokenizer.encode("\n<|im_start|>")[-1] == 1  # the special token, whole
+    assert tokenizer.encode("\n\n") == tokenizer.encode("\n\n")[:1]  # one newline run
