@@ -44,11 +44,12 @@ def _cpu_model() -> str | None:
 
 def portable_path(path: Path) -> str:
     """`path` as a results file records it: relative to the checkout when it lies in
-    it or beside it (the shared test data), else only its name, so that a results
-    file names no directory of the machine it was made on."""
+    it or in the shared test data beside it (`../shared`), else only its name, so
+    that a results file names no directory of the machine it was made on (a
+    checkout's parent may be any directory: /tmp, a home)."""
     # Not resolved: a symbolic link to the shared data stays the name it is used by.
     absolute = Path(os.path.normpath(path.absolute()))
-    for base, prefix in ((ROOT, ""), (ROOT.parent, "../")):
+    for base, prefix in ((ROOT, ""), (ROOT.parent / "shared", "../shared/")):
         if absolute.is_relative_to(base):
             return prefix + absolute.relative_to(base).as_posix()
     return absolute.name

@@ -426,7 +426,7 @@ def test_results_name_the_tokenizer_without_the_machines_directories() -> None:
     assert portable_path(ROOT / ".." / "shared" / "testdata" / "tokenizers" / "qwen2_5") == (
         "../shared/testdata/tokenizers/qwen2_5"
     )
-    # Anywhere else: only the directory's name (unless the checkout's parent is /).
-    elsewhere = Path(ROOT.anchor) / "no-such-models-dir" / "qwen"
-    if ROOT.parent != Path(ROOT.anchor):
-        assert portable_path(elsewhere) == "qwen"
+    # Anywhere else, beside the checkout too: only the directory's name.
+    assert portable_path(Path(ROOT.anchor) / "no-such-models-dir" / "qwen") == "qwen"
+    assert portable_path(ROOT.parent / "some-models" / "qwen") == "qwen"
+    assert portable_path(ROOT.parent / "shared-not" / "qwen") == "qwen"
