@@ -14,7 +14,7 @@ collector walk: an index that keeps its entries in tracked containers (an
 Three states, each built in a fresh interpreter, then `gc.collect()` timed
 `--repeats` times (median and max) with the count of objects the collector tracks,
 each twice: as `epp serve` runs (`frozen`: what the EPP had built when it started
-put out of the collector's sight by `epp.app.freeze_startup_heap`, before the
+put out of the collector's sight by `epp.heap.freeze`, before the
 index fills) and without that (`unfrozen`):
 
 - `empty`: the EPP's modules imported and a datastore of the pods, nothing indexed;
@@ -91,11 +91,12 @@ def measure_state(
     state: str, pods: int, frozen: bool, blocks_per_pod: int, entries: int, repeats: int
 ) -> Any:
     """Build `state` and time full collections (run in its own interpreter)."""
-    import epp.app  # every module the EPP loads, as a running one has
+    import epp.app  # noqa: F401  (every module the EPP loads, as a running one has)
+    from epp import heap
 
     held: Any = _endpoints(pods)
     if frozen:
-        epp.app.freeze_startup_heap()
+        heap.freeze()
     size = 0
     if state == "empty":
         pass
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variants",
         default="unfrozen,frozen",
         help="unfrozen, frozen or both (default: both; unfrozen alone measures code from"
-        " before epp.app.freeze_startup_heap)",
+        " before epp.heap.freeze)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

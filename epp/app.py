@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
-from epp import accesslog, defaults, tls
+from epp import accesslog, defaults, heap, tls
 from epp.accesslog import AccessLogService
 from epp.admin import AdminServer
 from epp.completion import DEFAULT_TIMEOUT_S, CompletionTracker
@@ -367,26 +366,12 @@ class EppApp:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await self.start()
-        freeze_startup_heap()
+        heap.freeze()  # what it built lives as long as it (epp.heap)
         try:
             await stop.wait()
             log.info("shutting down")
         finally:
             await self.stop()
-
-
-def freeze_startup_heap() -> None:
-    """Put everything built so far out of the garbage collector's sight.
-
-    The collector runs on the event loop's thread: a full collection stalls every
-    request for as long as it walks the containers it tracks. Those of a started
-    EPP (its modules, gRPC, the Kubernetes client, the config) live as long as the
-    process, yet every full collection walked them all again, about 57,000 objects
-    (docs/performance.md, "Garbage collection"). `gc.freeze` moves them to a
-    generation no collection visits; what comes later is collected as usual. The
-    collection first leaves no garbage cycle frozen in."""
-    gc.collect()
-    gc.freeze()
 
 
 def _listen(

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from epp import defaults
+from epp import defaults, heap
 from epp.config import InvalidConfig, SchedulingConfig
 from epp.datastore import Datastore, MembershipListener
 from epp.director import Director
@@ -173,6 +173,9 @@ class ConfigRuntime:
         finally:
             self._draining.pop(old, None)
             self.telemetry.configs_draining.set(len(self._draining))
+            # Once this coroutine has returned and let go of `old`: its objects
+            # were frozen if it was the config `epp serve` started with.
+            asyncio.get_running_loop().call_soon(heap.collect_retired)
 
     async def stop(self) -> None:
         drains = list(self._draining.values())

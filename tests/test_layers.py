@@ -24,6 +24,7 @@ ORDER = (
     "epp._proto",  # generated protobuf code
     "epp",  # the package itself: its version
     "epp.clock",
+    "epp.heap",  # the long-lived objects and the garbage collector
     "epp.durations",
     "epp.defaults",
     "epp.errors",

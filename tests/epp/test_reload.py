@@ -6,9 +6,11 @@ running config keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +18,11 @@ import grpc
 import msgspec
 import pytest
 
+from epp import heap
+from epp.config import load_config
+from epp.datastore import Datastore, EndpointSpec
+from epp.director import Director
+from epp.reload import BuiltConfig, ConfigRuntime, build_tracked
 from epp.scheduling import (
     CycleState,
     Endpoint,
@@ -25,6 +32,8 @@ from epp.scheduling import (
     SchedulingResult,
     ScoredEndpoint,
 )
+from epp.scheduling.registry import PluginRegistry
+from epp.telemetry import Telemetry
 from tests.epp.conftest import ENDPOINTS, Epp, StartEpp
 from tests.epp.extproc import envoy_client as ec
 
@@ -265,3 +274,39 @@ async def test_many_streams_across_a_reload_all_complete(
     assert set(destinations) <= {POD_A, POD_B}
     assert await routed_to(epp) == POD_B
     assert await epp.metric("epp_requests_total", {"outcome": "internal_error"}) == 0
+
+
+async def test_a_retired_config_is_collected_though_epp_serve_froze_it() -> None:
+    """`epp serve` freezes what it built at start-up (epp.heap), and the collector
+    never frees a cycle holding a frozen object: a config retired by a reload (its
+    services and the tasks running them refer to each other) must still go."""
+    datastore = Datastore()
+    datastore.replace_all(EndpointSpec(f"pod-{i}", f"127.0.0.1:{i + 1}") for i in range(3))
+    text = (Path(__file__).parents[2] / "manifests" / "config" / "default.yaml").read_text()
+    registry = PluginRegistry.from_entry_points()
+
+    def build() -> BuiltConfig:
+        return build_tracked(
+            datastore,
+            lambda metrics: load_config(text, registry, datastore=datastore, metrics=metrics),
+        )
+
+    first = build()
+    telemetry = Telemetry(datastore)
+    director = Director(datastore, first.config, telemetry)
+    runtime = ConfigRuntime(director, datastore, telemetry, first)
+    runtime.start()
+    services = [weakref.ref(s) for s in first.config.services.values()]
+    assert services
+    del first
+    await asyncio.sleep(0.05)  # the services running
+    heap.freeze()
+    try:
+        runtime.swap(build())
+        await asyncio.wait_for(asyncio.gather(*runtime._draining.values()), 5)
+        await asyncio.sleep(0)  # the collection comes on a later turn of the loop
+        assert [ref() for ref in services] == [None] * len(services)
+        assert gc.get_freeze_count() > 0  # what is alive is frozen again
+    finally:
+        gc.unfreeze()
+        await runtime.stop()
