@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import xxhash
 
+from epp import approxindex
 from epp.approxindex import (
     ApproxPrefixIndex,
     PrefixDemand,
@@ -290,6 +291,29 @@ def test_a_prompt_that_extends_a_whole_earlier_prompt_continues_it() -> None:
     assert not index.continues(third, matched)
     # Nothing matched: nothing continued.
     assert not index.continues(blocks_of({"model": "m", "prompt": "n" * 80}), {})
+
+
+def test_the_last_prompt_ends_are_remembered_and_the_oldest_goes_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(approxindex, "MAX_PROMPT_ENDS", 3)
+    (a,) = make_endpoints(1)
+    index = ApproxPrefixIndex()
+    firsts = [blocks_of({"model": "m", "prompt": c * 64}) for c in "abcde"]
+    nexts = [blocks_of({"model": "m", "prompt": c * 64 + "next turn"}) for c in "abcde"]
+    for first in firsts:
+        index.add(a, first.all(), 1000)
+
+    def continued() -> list[bool]:
+        return [index.continues(turn, index.match(turn, [a])) for turn in nexts]
+
+    assert continued() == [False] * 5
+    for first in firsts[:3]:
+        index.mark_end(first)
+    assert continued() == [True, True, True, False, False]
+    index.mark_end(firsts[0])  # marked again: the most recent now
+    index.mark_end(firsts[3])  # a fourth: the oldest, the second, goes
+    assert continued() == [True, False, True, True, False]
 
 
 def test_a_prompt_cut_by_the_cap_marks_no_end() -> None:

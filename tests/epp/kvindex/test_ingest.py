@@ -13,10 +13,11 @@ import msgspec
 import pytest
 
 from epp.datastore import Datastore, Endpoint, EndpointSpec
+from epp.kvindex import service as service_module
 from epp.kvindex.blockkeys import HashContext
 from epp.kvindex.events import HASH_MASK, decode_batch
 from epp.kvindex.ingest import MAP_SLACK, StreamIndex
-from epp.kvindex.service import PrecisePrefixConfig, PrecisePrefixService
+from epp.kvindex.service import PrecisePrefixConfig, PrecisePrefixService, PromptMatch
 from epp.tokenization.tokens import token_bytes
 from sim.hashing import BlockHasher, event_extra_keys, to_event_hash
 from sim.kv_events import BlockStored, EventBatchEncoder
@@ -411,3 +412,32 @@ def test_a_pick_is_held_speculatively_on_every_pod_that_holds_its_kv(disaggregat
     held = {pod.name: again.score(pod) for pod in pods}
     assert held == {"a": 1.0, "b": 1.0 if disaggregated else 0.0, "c": 0.0}
     svc.record_pick(again, ())  # nothing picked: nothing recorded, nothing raised
+
+
+# -- routed prompts' ends ------------------------------------------------------------------
+
+
+def test_a_routed_prompts_end_is_remembered_until_newer_ones_push_it_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`continues` knows a prompt that goes on from an earlier routed one, for the
+    last MAX_PROMPT_ENDS routed prompts: the oldest end, and its anchor, go first."""
+    monkeypatch.setattr(service_module, "MAX_PROMPT_ENDS", 3)
+    svc, a, _ = service(block_size=BS)
+    firsts = [list(range(10_000 * (p + 1), 10_000 * (p + 1) + 2 * BS)) for p in range(5)]
+    # Each conversation's next turn: its first turn plus a block of its own.
+    nexts = [first + [90_000 + p * BS + t for t in range(BS)] for p, first in enumerate(firsts)]
+
+    def lookup(tokens: list[int]) -> PromptMatch:
+        return svc.lookup(token_bytes(tokens), HashContext(), [a])
+
+    for turn in nexts:  # the engine holds every conversation's next turn
+        stored = sim_stored(digests("sha256", "s", turn), turn)
+        feed(svc, a, EventBatchEncoder().encode(1.0, [stored]))
+    assert not any(svc.continues(lookup(turn)) for turn in nexts)  # nothing routed yet
+    for first in firsts[:3]:
+        svc.record_pick(lookup(first), (a,))
+    assert [svc.continues(lookup(turn)) for turn in nexts] == [True, True, True, False, False]
+    svc.record_pick(lookup(firsts[3]), (a,))  # a fourth end: the first one's goes
+    assert [svc.continues(lookup(turn)) for turn in nexts] == [False, True, True, True, False]
+    assert len(svc._end_anchors) <= 3
