@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.pick import fleet_sizes
 from bench.provenance import emit, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--pods", default="16,64", help="fleet sizes, comma-separated (default: 16,64)"
+        "--pods",
+        type=fleet_sizes,
+        default=[16, 64],
+        metavar="N[,N...]",
+        help="fleet sizes, comma-separated (default: 16,64)",
     )
     parser.add_argument("--blocks-per-pod", type=int, default=31_250)
     parser.add_argument("--precise-entries", type=int, default=1_000_000)
@@ -166,10 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(result))
         return 0
-    try:
-        fleets = [int(p) for p in args.pods.split(",") if p.strip()]
-    except ValueError:
-        parser.error(f"--pods: expected fleet sizes like 16,64, got {args.pods!r}")
     states = [s for s in args.states.split(",") if s]
     unknown = [s for s in states if s not in STATES]
     if unknown or not states:
@@ -177,11 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in ("unfrozen", "frozen") for v in variants):
         parser.error(f"--variants: expected unfrozen, frozen or both, got {args.variants!r}")
-    if not fleets or min(fleets) < 1 or args.blocks_per_pod < 1 or args.repeats < 1:
-        parser.error("--pods, --blocks-per-pod and --repeats must be 1 or more")
+    if args.blocks_per_pod < 1 or args.repeats < 1:
+        parser.error("--blocks-per-pod and --repeats must be 1 or more")
     command = "python -m bench.gcpause " + shlex.join(sys.argv[1:] if argv is None else argv)
     results = []
-    for pods in fleets:
+    for pods in args.pods:
         for state in states:
             for frozen in variants:
                 print(f"{state}, {pods} pods, {frozen} ...", file=sys.stderr, flush=True)

@@ -498,7 +498,7 @@ async def measure_configs(
     return {pods: {name: _percentiles(samples[pods, name]) for name in names} for pods in fleets}
 
 
-def _fleet_sizes(text: str) -> list[int]:
+def fleet_sizes(text: str) -> list[int]:
     """`--config-pods`: comma-separated fleet sizes, each at least 1."""
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--config-pods",
-        type=_fleet_sizes,
+        type=fleet_sizes,
         default=None,
         metavar="N[,N...]",
         help="fleet sizes (c) measures, every config on every size taking turns request by"

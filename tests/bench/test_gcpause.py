@@ -44,8 +44,9 @@ def test_it_times_each_state_frozen_and_not(tmp_path: Path) -> None:
     ("argv", "message"),
     [
         (["--states", "approximate,bogus"], "--states: expected some of"),
-        (["--pods", "16,x"], "--pods: expected fleet sizes"),
-        (["--pods", "0"], "must be 1 or more"),
+        (["--pods", "16,x"], "expected fleet sizes like 1,16,64"),
+        (["--pods", "0"], "fleet sizes must be 1 or more"),
+        (["--blocks-per-pod", "0"], "must be 1 or more"),
         (["--repeats", "0"], "must be 1 or more"),
         (["--variants", "thawed"], "--variants: expected unfrozen, frozen or both"),
     ],
