@@ -59,13 +59,12 @@ from bench.longrun import (
 )
 from bench.provenance import provenance
 from bench.stack import (
-    EppPorts,
     ManagedProcess,
     Pods,
     envoy_config,
     free_ports,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
 )
 
 PREFIX_PLUGIN = "prefix"
@@ -342,20 +341,20 @@ async def run_agreement_async(options: AgreementOptions) -> dict[str, Any]:
         if config is None:
             config = out / "config.yaml"
             config.write_text(yaml.safe_dump(DEFAULT_CONFIG, sort_keys=False))
-        ports = [EppPorts.free() for _ in range(options.replicas)]
-        epps = await asyncio.gather(
+        started = await asyncio.gather(
             *(
                 asyncio.to_thread(
-                    start_epp,
+                    start_epp_on_free_ports,
                     endpoints,
                     out / f"epp-{i}",
-                    p,
                     config_file=config,
                     extra_args=["--debug-endpoints"],
                 )
-                for i, p in enumerate(ports)
+                for i in range(options.replicas)
             )
         )
+        epps = [epp for epp, _ in started]
+        ports = [p for _, p in started]
         processes.extend(epps)
         listen, admin = free_ports(2)
         envoy = await asyncio.to_thread(

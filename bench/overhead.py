@@ -36,7 +36,6 @@ from tqdm import tqdm
 
 from bench.provenance import provenance
 from bench.stack import (
-    EppPorts,
     ManagedProcess,
     add_direct_listener,
     add_epp_listener,
@@ -44,7 +43,7 @@ from bench.stack import (
     envoy_config,
     free_port,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
     write_endpoints_file,
 )
 from bench.stats import latency_ms
@@ -286,8 +285,7 @@ def run_overhead(options: OverheadOptions) -> dict[str, Any]:
         endpoints = write_endpoints_file(
             out / "endpoints.yaml", [(f"up-{i}", a) for i, a in enumerate(upstreams)]
         )
-        ports = EppPorts.free()
-        epp = start_epp(endpoints, out, ports)
+        epp, ports = start_epp_on_free_ports(endpoints, out)
         cleanup.callback(epp.stop)
         null_port, null_ready = free_port(), free_port()
         null = ManagedProcess(

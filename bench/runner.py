@@ -80,7 +80,6 @@ from bench.peers import PeerKind, ensure_peer_venv, parse_peer, start_peer
 from bench.provenance import portable_path, provenance
 from bench.stack import (
     ROOT,
-    EppPorts,
     ManagedProcess,
     ProcessFailed,
     add_routed_header,
@@ -89,7 +88,7 @@ from bench.stack import (
     envoy_config,
     free_port,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
     start_sim_fleet,
 )
 from bench.stats import ci95, percentile
@@ -617,9 +616,10 @@ def data_path(policy: Policy, options: RunOptions, workdir: Path) -> Iterator[Da
         pods = read_endpoints(endpoints)
         if policy.kind == "epp":
             assert policy.config is not None
-            ports = EppPorts.free()
             config_file = epp_config_file(policy.config, options, workdir)
-            epp = start_epp(endpoints, workdir, ports, config_file, options.epp_flags())
+            epp, ports = start_epp_on_free_ports(
+                endpoints, workdir, config_file, options.epp_flags()
+            )
             stack.callback(epp.stop)
             listen = free_port()
             config = envoy_config(listen_port=listen, epp_port=ports.grpc, admin_port=free_port())

@@ -62,13 +62,12 @@ from bench.longrun import (
 )
 from bench.provenance import provenance
 from bench.stack import (
-    EppPorts,
     Pods,
     ProcessFailed,
     envoy_config,
     free_port,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
 )
 from bench.stats import median, percentile
 
@@ -320,9 +319,8 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
         endpoints = pods.endpoints_file(out / "endpoints.yaml")
         config = out / "config.yaml"
         config.write_text(yaml.safe_dump(soak_config(options.max_index_entries), sort_keys=False))
-        ports = EppPorts.free()
-        epp = await asyncio.to_thread(
-            start_epp, endpoints, out / "epp", ports, config, ["--debug-endpoints"]
+        epp, ports = await asyncio.to_thread(
+            start_epp_on_free_ports, endpoints, out / "epp", config, ["--debug-endpoints"]
         )
         stops.append(epp.stop)
         assert epp.process is not None

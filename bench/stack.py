@@ -499,7 +499,7 @@ class EppPorts:
 
     @classmethod
     def free(cls) -> EppPorts:
-        return cls(free_port(), free_port(), free_port())
+        return cls(*free_ports(3))
 
 
 def start_epp(
@@ -532,6 +532,30 @@ def start_epp(
     process = ManagedProcess("epp", argv, workdir / "epp.log").start()
     process.wait_http_ok(f"http://127.0.0.1:{ports.metrics}/readyz", ready_timeout_s)
     return process
+
+
+# What `epp serve` logs when one of its listeners cannot be bound (epp/cli.py).
+_PORT_TAKEN = ("address already in use", "is the port in use?")
+
+
+def start_epp_on_free_ports(
+    endpoints_file: Path | None,
+    workdir: Path,
+    config_file: Path | None = None,
+    extra_args: Sequence[str] = (),
+    attempts: int = 3,
+) -> tuple[ManagedProcess, EppPorts]:
+    """`start_epp` on free ports, and the ports. A port found free can be taken by
+    another process on this host in the second before the EPP binds it: the EPP
+    then exits saying so, and is started again on other ports."""
+    for attempt in range(1, attempts + 1):
+        ports = EppPorts.free()
+        try:
+            return start_epp(endpoints_file, workdir, ports, config_file, extra_args), ports
+        except ProcessFailed as exc:
+            if attempt == attempts or not any(text in str(exc) for text in _PORT_TAKEN):
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_sim(

@@ -365,7 +365,13 @@ class EppApp:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A listener that could not be bound fails the start half-way: close
+            # what was started, or gRPC's servers outlive the event loop.
+            await self.stop()
+            raise
         heap.freeze()  # what it built lives as long as it (epp.heap)
         try:
             await stop.wait()

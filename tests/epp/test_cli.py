@@ -4,6 +4,7 @@ it cannot start."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,29 @@ def test_kubernetes_flag_defaults_are_the_kube_options_defaults(
 ) -> None:
     monkeypatch.delenv("NAMESPACE", raising=False)
     assert options("--pool-name", "p").kube == KubeOptions(pool_name="p")
+
+
+@pytest.mark.parametrize("taken", ["--grpc-port", "--grpc-health-port", "--metrics-port"])
+def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path, taken: str) -> None:
+    # Each listener fails at its own step of the start: the ones bound before it
+    # are closed again, and the process says which port, without a traceback.
+    endpoints = tmp_path / "endpoints.yaml"
+    endpoints.write_text("endpoints:\n- {name: pod-a, address: 127.0.0.1:1}\n")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        ports = {"--grpc-port": "0", "--grpc-health-port": "0", "--metrics-port": "0"}
+        ports[taken] = str(port)
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "epp", "serve", "--endpoints-file", str(endpoints),
+                "--bind", "127.0.0.1", *(item for pair in ports.items() for item in pair),
+            ],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert "cannot start" in done.stderr
+    assert str(port) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "never awaited" not in done.stderr
