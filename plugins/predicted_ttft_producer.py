@@ -73,6 +73,15 @@ predicted with (epp/ttft/model.py; docs/routing-evidence.md, Predictions in over
 milliseconds weigh as one of that many (the default profile sets 300: every
 TTFT under it weighs alike, and only longer ones less; docs/routing-evidence.md,
 Predictions in overload).
+`revalueQueued` (none: off): when the model's prediction of a request's own
+prefill moves by more than that share (0.2: 20%) from what it was when the work
+now queued on the pods was charged, every pod's queued work is re-valued by the
+ratio (`PodLedger.rescale`), measured on each observed request's own prefill. From a
+cold start, the pods' first requests are charged at the prior's prefill rate
+and read as queued for as long as the prior says until their first tokens come,
+while the requests after them are charged at the fitted rate: the pods picked
+first look busiest and the next requests gather on the pods picked since
+(docs/routing-evidence.md, Queued work from a cold start).
 
 Metrics: `epp_ttft_prediction_error_ratio{plugin}` (|predicted - observed| /
 observed per observed request), `epp_ttft_observed_seconds{plugin}`,
@@ -123,8 +132,8 @@ from epp.ttft.model import (
 log = logging.getLogger(__name__)
 
 # Where `predicted_wait`'s terms, and the prefill weight's floor, sit in the model's weights.
-_QUEUED, _PREFILL, _DECODING, _WAITING = (
-    FEATURES.index(n) for n in ("queued", "prefill", "decoding", "waiting")
+_QUEUED, _PREFILL, _ATTENTION, _DECODING, _WAITING = (
+    FEATURES.index(n) for n in ("queued", "prefill", "attention", "decoding", "waiting")
 )
 
 CONTINUING_RATE: Final = 1 / 64
@@ -367,6 +376,7 @@ class PredictedTtftProducer:
         relative_fit_floor_ms: Annotated[float, msgspec.Meta(gt=0.0, le=60000.0)] = (
             RELATIVE_FLOOR_S * 1e3
         )
+        revalue_queued: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -387,6 +397,10 @@ class PredictedTtftProducer:
         self.waiting_beyond_own = params.waiting_beyond_own
         self.count_overdue = params.count_overdue
         self.adapt = params.pod_adapt_rate
+        self.revalue_queued = params.revalue_queued
+        # The weights the work queued on the pods was charged under, as far as
+        # re-valuing it goes (`revalueQueued`).
+        self._charged_weights = tuple(self.model.weights)
         self._pods: dict[Endpoint, _Pod] = {}
         self._charge: StateKey[_Charge] = StateKey(f"predicted-ttft-charge/{context.name}")
         self._warned_no_prefix = False
@@ -676,12 +690,32 @@ class PredictedTtftProducer:
             self._error.observe(abs(predicted - elapsed_s) / elapsed_s)
         self.model.observe(charge.prediction.x, elapsed_s)
         pod.observations += 1
+        if self.revalue_queued is not None:
+            self._revalue(charge.prediction.x)
         if predicted > 0 and self.adapt > 0:
             # Follow the pod's observed / predicted ratio in log space, a step of
             # `adapt` per observation, one observation moving it by at most 2x.
             step = max(-math.log(2.0), min(math.log(2.0), math.log(elapsed_s / predicted)))
             factor = pod.factor * math.exp(self.adapt * step)
             pod.factor = max(MIN_POD_FACTOR, min(MAX_POD_FACTOR, factor))
+
+    def _revalue(self, x: tuple[float, ...]) -> None:
+        """Re-value every pod's queued work when the model's prediction of `x`'s own
+        prefill has moved by more than `revalueQueued` since it was charged."""
+        assert self.revalue_queued is not None
+        weights = self.model.weights
+        charged = self._charged_weights
+        before = charged[_PREFILL] * x[_PREFILL] + charged[_ATTENTION] * x[_ATTENTION]
+        now_s = weights[_PREFILL] * x[_PREFILL] + weights[_ATTENTION] * x[_ATTENTION]
+        if before <= 0.0 or now_s <= 0.0:
+            return
+        ratio = now_s / before
+        if abs(ratio - 1.0) <= self.revalue_queued:
+            return
+        self._charged_weights = tuple(weights)
+        now = self.clock()
+        for pod in self._pods.values():
+            pod.ledger.rescale(ratio, now)
 
     def post_response(
         self,

@@ -14,6 +14,11 @@ prefill). The ledger mirrors that queue:
   first token, whether the pod ran slower or faster than predicted.
 - `release` (the request ended): if it ended before its first token (aborted) its
   work leaves the queue; if it was decoding, the pod decodes one fewer request.
+- `rescale` (the model learned the pods are faster or slower than it predicted
+  when the work was charged): the work still queued is re-valued. From a cold
+  start the first charges are the prior's, and until each pod's first token
+  re-anchors it a backlog charged at twice the real work reads as a pod busy for
+  twice as long (docs/routing-evidence.md, Queued work from a cold start).
 
 A disaggregated request (prefill on one pod, decode on another) is in two
 ledgers: the prefill pod's queue, which it leaves at its first token without
@@ -153,6 +158,15 @@ class PodLedger:
         self._backlog_s = min(self._backlog_s, after)
         if decodes:
             self.decoding += 1
+
+    def rescale(self, ratio: float, now: float) -> None:
+        """The work still queued was predicted `ratio` times too short (or long):
+        the model it was charged under has since learned the pod's speed, and the
+        backlog is re-valued as the model now predicts it."""
+        self._drain(now)
+        self._backlog_s *= ratio
+        for entry in self._queued.values():
+            entry.work_s *= ratio
 
     def decoding_started(self) -> None:
         """A request whose prefill ran on another pod decodes here from now on;

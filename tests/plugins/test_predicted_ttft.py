@@ -336,6 +336,38 @@ def test_a_prefill_floor_binds_only_below_what_the_fit_finds() -> None:
     assert floors[0.001, 15.0][1] > 0.0
 
 
+def test_revalue_queued_work_charged_under_the_prior_once_the_fit_has_moved() -> None:
+    """From a cold start, a request sent to a pod is charged the prior's prefill;
+    once first tokens elsewhere teach the model the pods are three times faster,
+    `revalueQueued` re-values what is still queued (to within the share it allows
+    to drift), where without it the pod reads busy for the prior's whole estimate."""
+    queued = {}
+    for revalue in (None, 0.2):
+        fleet = Fleet(revalueQueued=revalue) if revalue is not None else Fleet()
+        busy, other = make_endpoints(2)
+        fleet.route(busy)  # charged under the prior
+        _, cycle = fleet.cycle({})
+        charged = fleet.seconds(cycle, busy) - fleet.seconds(cycle, other)
+        before = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+        assert before is not None
+        truth = before.predict(other).own_work_s / 3 + 0.01
+        for _ in range(200):
+            # Observed on the other pod, the clock held: nothing drains meanwhile.
+            req, observed = fleet.route(other)
+            result = routed(("default", other))
+            fleet.producer.response_first_chunk(req, observed, result, truth)
+            fleet.producer.post_response(req, observed, result, DONE)
+        _, cycle = fleet.cycle({})
+        predictions = cycle.get(predicted_ttft_key("predicted-ttft-producer"))
+        assert predictions is not None
+        queued[revalue] = (charged, predictions.predict(busy), predictions.predict(other))
+    charged, busy_now, other_now = queued[None]
+    assert busy_now.parts["queued"] == pytest.approx(charged)  # the prior's, as charged
+    charged, busy_now, other_now = queued[0.2]
+    assert other_now.own_work_s < charged / 2  # the fit moved
+    assert busy_now.parts["queued"] == pytest.approx(other_now.own_work_s, rel=0.2)
+
+
 def test_relative_fit_reaches_the_model() -> None:
     """`relativeFit` makes the producer's model weigh observations by their
     prediction (tests/epp/ttft/test_model.py has what that does); off by default."""
@@ -807,6 +839,8 @@ def test_without_the_producer_every_pod_scores_one_with_a_warning(
         ({"relativeFitFloorMs": 0}, "relativeFitFloorMs"),
         ({"relativeFitFloorMs": -5.0}, "relativeFitFloorMs"),
         ({"relativeFitFloorMs": 1e9}, "relativeFitFloorMs"),
+        ({"revalueQueued": 0}, "revalueQueued"),
+        ({"revalueQueued": -0.2}, "revalueQueued"),
     ],
 )
 def test_bad_parameters_are_refused(parameters: dict[str, object], message: str) -> None:

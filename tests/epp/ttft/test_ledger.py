@@ -132,3 +132,19 @@ def test_overdue_counts_the_queued_requests_past_their_predicted_first_token() -
     assert ledger.overdue(0.6) == 2  # b and c; a left the queue
     ledger.release("b", was_decoding=False, now=0.6)
     assert ledger.overdue(0.6) == 1
+
+
+def test_rescale_revalues_the_work_still_queued_and_keeps_what_was_drained() -> None:
+    ledger = PodLedger()
+    ledger.charge("a", 0.4, now=0.0)
+    ledger.charge("b", 0.2, now=0.0)
+    ledger.rescale(0.5, now=0.2)  # 0.4 left at 0.2 s, predicted twice too long
+    assert ledger.backlog(0.2) == pytest.approx(0.2)
+    # Each request's share is re-valued too: a's first token leaves b's, halved.
+    ledger.started("a", now=0.2)
+    assert ledger.backlog(0.2) == pytest.approx(0.1)
+    # An aborted request takes back its re-valued work, not what it was charged.
+    ledger.charge("c", 0.3, now=0.2)
+    ledger.rescale(2.0, now=0.2)
+    ledger.release("c", was_decoding=False, now=0.2)
+    assert ledger.backlog(0.2) == pytest.approx(0.2)
