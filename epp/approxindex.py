@@ -36,12 +36,10 @@ import xxhash
 from lru import LRU
 
 from epp.datastore import Endpoint
-from epp.kvindex.index import bits
+from epp.kvindex.index import UNBOUNDED, bits
 from epp.requests import ChatPrompt, CompletionPrompt, InferenceRequest, Message, ResponsesPrompt
 
 DEFAULT_CHARS_PER_TOKEN: Final = 4.0
-# An LRU's own bound, never reached: `add` evicts down to the capacity it is given.
-_UNBOUNDED: Final = 1 << 62
 # Prompt ends remembered for `continues` (8 bytes of hash and a dict entry each).
 MAX_PROMPT_ENDS: Final = 65_536
 
@@ -379,7 +377,7 @@ class ApproxPrefixIndex:
         if window is not None:
             recent = self._recent.get(endpoint)
             if recent is None:
-                recent = self._recent[endpoint] = LRU(_UNBOUNDED)
+                recent = self._recent[endpoint] = LRU(UNBOUNDED)
             for h in reversed(hashes):
                 recent[h] = None
             limit = min(window, capacity)
@@ -387,7 +385,7 @@ class ApproxPrefixIndex:
                 recent.popitem()
         lru = self._lrus.get(endpoint)
         if lru is None:
-            lru = self._lrus[endpoint] = LRU(_UNBOUNDED)
+            lru = self._lrus[endpoint] = LRU(UNBOUNDED)
         bit = self._bit_of.get(endpoint)
         if bit is None:
             bit = self._take_slot(endpoint)

@@ -47,6 +47,9 @@ from functools import reduce
 from operator import xor
 from typing import Final
 
+# A bound never reached: an LRU whose capacity its owner enforces itself, a sweep
+# without slices.
+UNBOUNDED: Final = 1 << 62
 # Interned masks: beyond this many distinct masks, sharing is dropped and restarted.
 _MAX_INTERNED: Final = 65_536
 # Entries evicted at once when the bound is passed (a fraction of the bound).
@@ -278,7 +281,7 @@ class PrefixIndex:
 
     # -- the sweeper ------------------------------------------------------------------
 
-    def sweep(self, budget: int = 1 << 62) -> Iterator[None]:
+    def sweep(self, budget: int = UNBOUNDED) -> Iterator[None]:
         """Remove retired slots' bits from the maps, then free those slots.
 
         A generator: it yields after every `budget` keys, so a caller on the event

@@ -44,7 +44,7 @@ from epp.durations import Duration, parse_duration
 from epp.kvindex.alignment import PROBE_BLOCKS, AlignmentChecker
 from epp.kvindex.blockkeys import BlockKeys, HashContext, PromptBlocks
 from epp.kvindex.events import EventBatch
-from epp.kvindex.index import PrefixIndex
+from epp.kvindex.index import UNBOUNDED, PrefixIndex
 from epp.kvindex.ingest import PreciseIndex, StreamIndex
 from epp.kvindex.lookup import PrefixMatch, longest_prefix
 from epp.kvindex.speculative import SpeculativeIndex
@@ -356,7 +356,7 @@ class PrecisePrefixService:
         self._end_anchors: dict[int, tuple[int, ...]] = {}
         # The anchors, least recently marked first (a dict deleted from its front
         # costs each later `next(iter())` a scan over the deleted slots).
-        self._anchor_order: LRU[int, None] = LRU(1 << 62)
+        self._anchor_order: LRU[int, None] = LRU(UNBOUNDED)
         self._log_once = LogOnce(log)
 
     # -- lifecycle -------------------------------------------------------------------
