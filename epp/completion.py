@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from typing import Final
 
 from epp.clock import Clock
@@ -63,8 +64,10 @@ class CompletionTracker:
         self.clock = clock if clock is not None else director.clock
         # Every waiting request with its id and deadline, oldest first: one timeout
         # for all makes insertion order the deadline order, so expiry only ever
-        # looks at the front.
-        self._deadlines: dict[Decision, tuple[str, float]] = {}
+        # looks at the front. An OrderedDict: a dict's first item, once items are
+        # deleted from its front, is found by scanning past their empty slots (8 us
+        # an eviction at 65,536 waiting, against 0.4 us).
+        self._deadlines: OrderedDict[Decision, tuple[str, float]] = OrderedDict()
         self._by_id: dict[str, list[Decision]] = {}
         self.access_log_connected = False
         self._first_fallback_at: float | None = None
