@@ -65,8 +65,8 @@ class CompletionTracker:
         # Every waiting request with its id and deadline, oldest first: one timeout
         # for all makes insertion order the deadline order, so expiry only ever
         # looks at the front. An OrderedDict: a dict's first item, once items are
-        # deleted from its front, is found by scanning past their empty slots (8 us
-        # an eviction at 65,536 waiting, against 0.4 us).
+        # deleted from its front, is found by scanning past their empty slots, a
+        # cost that grows with every request ended before a resize.
         self._deadlines: OrderedDict[Decision, tuple[str, float]] = OrderedDict()
         self._by_id: dict[str, list[Decision]] = {}
         self.access_log_connected = False
