@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.stack import EppPorts, start_epp, write_endpoints_file
+from bench.stack import start_epp_on_free_ports, write_endpoints_file
 from tests.epp.extproc import envoy_client as ec
 
 PROMPT = "a prompt that must stay private"
@@ -18,8 +18,7 @@ PROMPT = "a prompt that must stay private"
 async def run_one_request(tmp_path: Path, *extra_args: str) -> list[str]:
     """Route one request and one bad request through a real EPP process; its log."""
     endpoints = write_endpoints_file(tmp_path / "endpoints.yaml", [("pod-a", "10.0.0.1:8000")])
-    ports = EppPorts.free()
-    epp = start_epp(endpoints, tmp_path, ports, extra_args=extra_args)
+    epp, ports = start_epp_on_free_ports(endpoints, tmp_path, extra_args=extra_args)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{ports.grpc}") as channel:
             body = json.dumps({"model": "m", "prompt": PROMPT}).encode()

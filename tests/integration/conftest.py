@@ -18,7 +18,7 @@ from bench.stack import (
     envoy_config,
     free_ports,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
     write_endpoints_file,
 )
 from tests.integration.upstream import Upstreams
@@ -90,11 +90,9 @@ def running_stack(
         )
         config = workdir / "config.yaml"
         config.write_text(config_text)
-        ports = EppPorts.free()
-        epp = start_epp(
+        epp, ports = start_epp_on_free_ports(
             endpoints,
             workdir,
-            ports,
             config_file=config,
             extra_args=[
                 "--debug-endpoints",

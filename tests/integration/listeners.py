@@ -18,7 +18,7 @@ from bench.stack import (
     envoy_config,
     free_ports,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
     write_endpoints_file,
 )
 from tests.integration.conftest import CONFIG
@@ -181,9 +181,8 @@ def security_stack(
         config.write_text(config_text)
         epps: dict[str, EppPorts] = {}
         for name, args in epp_args.items():
-            ports = EppPorts.free()
-            process = start_epp(
-                endpoints, workdir / name, ports, config_file=config, extra_args=list(args)
+            process, ports = start_epp_on_free_ports(
+                endpoints, workdir / name, config_file=config, extra_args=list(args)
             )
             cleanup.callback(process.stop)
             epps[name] = ports

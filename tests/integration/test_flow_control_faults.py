@@ -39,6 +39,7 @@ from bench.stack import (
     free_ports,
     start_envoy,
     start_epp,
+    start_epp_on_free_ports,
     write_endpoints_file,
 )
 from tests.integration.faults import (
@@ -279,11 +280,9 @@ def running(
         )
         config_file = workdir / "config.yaml"
         config_file.write_text(config(ttl_s))
-        epp_ports = EppPorts.free()
-        epp = start_epp(
+        epp, epp_ports = start_epp_on_free_ports(
             endpoints,
             workdir / "epp",
-            epp_ports,
             config_file=config_file,
             extra_args=["--debug-endpoints"],
         )

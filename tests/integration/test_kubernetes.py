@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 
 from bench.stack import (
-    EppPorts,
     envoy_config,
     free_ports,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
     start_sim,
 )
 from sim.kubeapi import KubeApiThread
@@ -90,11 +89,9 @@ def kube_stack(workdir: Path) -> Iterator[KubeStack]:
         kube.call(kube.api.put_pod, "sim-b", labels=LABELS, ip=POD_IPS["sim-b"], ready=False)
         config = workdir / "config.yaml"
         config.write_text(CONFIG)
-        ports = EppPorts.free()
-        epp = start_epp(
+        epp, ports = start_epp_on_free_ports(
             None,
             workdir,
-            ports,
             config_file=config,
             extra_args=[
                 "--pool-name", "pool", "--pool-namespace", "default",

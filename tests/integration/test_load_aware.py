@@ -26,7 +26,7 @@ from bench.stack import (
     envoy_config,
     free_ports,
     start_envoy,
-    start_epp,
+    start_epp_on_free_ports,
     write_endpoints_file,
 )
 
@@ -93,11 +93,9 @@ def sim_stack(workdir: Path, pods: int = 3) -> Iterator[SimStack]:
         )
         config = workdir / "config.yaml"
         config.write_text(config_text())
-        epp_ports = EppPorts.free()
-        epp = start_epp(
+        epp, epp_ports = start_epp_on_free_ports(
             endpoints,
             workdir,
-            epp_ports,
             config_file=config,
             extra_args=[
                 "--debug-endpoints",
