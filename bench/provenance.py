@@ -4,6 +4,7 @@ run, the commit it measured and what else the host was doing."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -55,16 +56,40 @@ def portable_path(path: Path) -> str:
     return absolute.name
 
 
+# The packages whose code a result measures.
+MEASURED_PACKAGES = ("epp", "epp.plugins", "sim", "bench")
+
+
+def code_outside_checkout(packages: tuple[str, ...] = MEASURED_PACKAGES) -> list[str]:
+    """Those of `packages` this interpreter imports from outside this checkout. An
+    editable install made from another checkout maps the built-in plugins
+    (`epp.plugins`, kept in plugins/) there through an import hook, whatever the
+    working directory: a run from a second checkout then measures the first one's
+    plugins, and this checkout's git status says nothing about them."""
+    outside = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        locations = [] if spec is None else list(spec.submodule_search_locations or ())
+        if any(not Path(location).resolve().is_relative_to(ROOT) for location in locations):
+            outside.append(name)
+    return outside
+
+
 def provenance(command: str) -> dict[str, Any]:
     """`command`, the git commit (and whether tracked files other than committed
     results differed from it: a run that rewrites docs/results/ measured the same
-    code), the time in UTC, and the machine: CPUs, CPU model, Python, the 1-minute
-    load average when the run ended (above the CPU count, something else competed)."""
+    code; or whether code it measured was imported from outside the checkout, which
+    `code_outside_checkout` then names), the time in UTC, and the machine: CPUs, CPU
+    model, Python, the 1-minute load average when the run ended (above the CPU
+    count, something else competed)."""
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results")
+    outside = code_outside_checkout()
+    dirty = (bool(status) if status is not None else None) or bool(outside)
     return {
         "command": command,
         "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
+        "dirty": dirty,
+        **({"code_outside_checkout": outside} if outside else {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {
             "cpus": _cpus(),
