@@ -159,6 +159,16 @@ Where precise must beat approximate). A pod whose scrape is stale counts this
 EPP's own requests there, times the requests the fresh pods report for each of
 this EPP's own on them (the other replicas' share).
 
+`kvRoomForNew` (false; off in the default profile): for a request that continues
+no earlier one, a pod whose KV cache has no room for the request's uncached
+tokens (its latest fresh scrape: the cache usage times the blocks it reports, of
+their size) is charged the request's own prefill once more, as the engine,
+out of blocks, preempts a running request and computes a prompt again; unless
+every candidate is such a pod. A request that continues one stays with its
+history: moving it costs the whole history's prefill (on the whole Mooncake
+trace a gate for every request raised the p90; docs/routing-evidence.md, Room
+in the KV cache).
+
 `tieMaxMs` (none: off; the default profile sets 250): no tie
 is wider than that many milliseconds. A tie is a share of the best prediction, so
 a long prompt's is wide in time (25% of a 2 s prefill is half a second, a new
@@ -190,7 +200,7 @@ from typing import Annotated
 
 import msgspec
 
-from epp.datastore import RUNNING, WAITING, Endpoint
+from epp.datastore import CACHE_INFO, KV_CACHE_USAGE, RUNNING, WAITING, Endpoint
 from epp.requests import InferenceRequest
 from epp.scheduling import CycleState, PluginContext, explain_note, explaining
 
@@ -210,6 +220,10 @@ _TIE_FLOOR_S = 1e-3
 _MAX_SHARE = 0.95
 # The facts `spreadByPodRequests` counts a pod's requests from.
 _POD_REQUEST_FACTS = (RUNNING, WAITING)
+# The facts `kvRoomForNew` reads, and the block size it assumes where a pod reports
+# its cache's blocks but not their size (vLLM's default).
+_KV_ROOM_FACTS = (KV_CACHE_USAGE, CACHE_INFO)
+_DEFAULT_BLOCK_TOKENS = 16
 
 
 def _uncached_tenths(p: TtftPrediction) -> int:
@@ -251,6 +265,21 @@ def _charged_a_miss(
         e: s + share * (miss - predicted[e].own_work_s) if e in pods else s
         for e, s in seconds.items()
     }
+
+
+def _without_kv_room(predicted: Mapping[Endpoint, TtftPrediction], now: float) -> set[Endpoint]:
+    """The pods whose KV cache, at their latest fresh scrape, has no room left for
+    the request's uncached tokens (a pod whose usage or cache size is not known
+    counts as having room)."""
+    full = set()
+    for e, p in predicted.items():
+        m = e.metrics
+        if m.num_gpu_blocks <= 0 or not m.all_known(_KV_ROOM_FACTS, now):
+            continue
+        cache_tokens = m.num_gpu_blocks * (m.block_size or _DEFAULT_BLOCK_TOKENS)
+        if m.kv_cache_usage * cache_tokens + p.uncached_tokens > cache_tokens:
+            full.add(e)
+    return full
 
 
 @dataclass
@@ -296,6 +325,7 @@ class PredictedTtftScorer:
         new_prefix_tie_max_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
         spread_by_pod_requests: bool = False
         tie_decode_factor: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
+        kv_room_for_new: bool = False
 
     def __init__(self, params: Parameters, context: PluginContext) -> None:
         self.name = context.name
@@ -322,6 +352,7 @@ class PredictedTtftScorer:
         self.spread_factor = params.spread_factor
         self.spread_by_pod_requests = params.spread_by_pod_requests
         self.tie_decode_factor = params.tie_decode_factor
+        self.kv_room_for_new = params.kv_room_for_new
         self.clock = context.clock
         self.tie_max_s = None if params.tie_max_ms is None else params.tie_max_ms / 1e3
         self.new_prefix_tie_max_s = (
@@ -436,6 +467,17 @@ class PredictedTtftScorer:
                 s = seconds[e] + charge
                 charged[e] = s if s > _FLOOR_S else _FLOOR_S
             seconds = charged
+        kv_full: set[Endpoint] = set()
+        if self.kv_room_for_new and not predictions.continues:
+            # Out of blocks, the engine preempts a running request and computes a
+            # prompt again: about this request's own prefill once more. Where every
+            # pod is out of room, the charge would move nothing.
+            kv_full = _without_kv_room(predicted, self.clock())
+            if kv_full and len(kv_full) < len(predicted):
+                seconds = {
+                    e: s + predicted[e].own_work_s if e in kv_full else s
+                    for e, s in seconds.items()
+                }
         best = min(seconds.values())
         # The share of candidates with no prefill queued.
         idle = idle_pods / len(queued)
@@ -569,6 +611,7 @@ class PredictedTtftScorer:
                     "prefixDemand": round(demand, 4),
                     "hotPrefix": hot,
                     "crowded": e in crowded,
+                    "kvFull": e in kv_full,
                     "costMs": round(seconds[e] * 1e3, 3),
                 }
                 for e in endpoints

@@ -872,6 +872,8 @@ def test_bad_parameters_are_refused(parameters: dict[str, object], message: str)
         load(one_plugin_config("predicted-ttft-scorer", {"tieMaxMs": -1.0}))
     with pytest.raises(InvalidConfig, match="newPrefixTieMaxMs"):
         load(one_plugin_config("predicted-ttft-scorer", {"newPrefixTieMaxMs": -1.0}))
+    with pytest.raises(InvalidConfig, match="kvRoomForNew"):
+        load(one_plugin_config("predicted-ttft-scorer", {"kvRoomForNew": "yes"}))
 
 
 def _slo_request(value: str | None, header: str = "x-slo-ttft-ms") -> InferenceRequest:
@@ -1377,3 +1379,56 @@ def test_count_overdue_adds_the_requests_a_pod_is_late_with() -> None:
     assert overdue == 1
     assert slower == pytest.approx(fleet.producer.model.describe()["overdue"])
     assert slower > 0.0
+
+
+def _kv_scrape(pod: Endpoint, usage: float, now: float) -> None:
+    """A fresh scrape of `pod`: its KV cache 1,000 blocks of 16 tokens, `usage` used."""
+    pod.metrics = EndpointMetrics(
+        kv_cache_usage=usage, num_gpu_blocks=1000, block_size=16, updated_at=now
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "continues", "others_full", "a_fresh", "a_charged"),
+    [
+        (False, False, False, True, False),  # off: a's full cache counts for nothing
+        (True, False, False, True, True),  # a has no room for the 4,000 tokens: charged
+        (True, True, False, True, False),  # a request that continues one stays put
+        (True, False, True, True, False),  # no pod has room: the charge moves nothing
+        (True, False, False, False, False),  # a stale scrape says nothing of a's room
+    ],
+)
+def test_kv_room_for_new_charges_a_pod_without_room_the_prefill_again(
+    setting: bool, continues: bool, others_full: bool, a_fresh: bool, a_charged: bool
+) -> None:
+    """No pod holds the prompt (4,000 tokens); a's KV cache is 99% used (160 tokens
+    of room), b's and c's 10% (or 99% with `others_full`). b has a request in
+    flight, so without a charge the pick goes to a or c (fewest tokens in flight).
+    The tie is capped at 1 ms (`tieMaxMs`): a new prompt's tie, as wide as its
+    prediction, would otherwise hold a pod charged its prefill once more."""
+    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(kv_room_for_new=setting, tie_max_ms=1.0))
+    a, b, c = make_endpoints(3)
+    req, cycle = fleet.route(b)
+    fleet.producer.response_first_chunk(req, cycle, routed(("default", b)), 0.03)
+    _kv_scrape(a, 0.99, fleet.clock())
+    if not a_fresh:
+        fleet.clock.advance(a.metrics.staleness_s + 1.0)
+    for pod in (b, c):
+        _kv_scrape(pod, 0.99 if others_full else 0.1, fleet.clock())
+    cycle = CycleState()
+    info = PrefixMatchInfo(100, 40, {}, continues=continues)
+    cycle.put(prefix_match_key("approx-prefix-cache-producer"), info)
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    scores = fleet.scorer.score(request(PROMPT), cycle, [a, b, c])
+    explained = _explained(cycle, (a, b, c))
+    own = explained[a]["prefillMs"] + explained[a]["attentionMs"]
+    charge = own if a_charged else 0.0
+    assert explained[a]["costMs"] == pytest.approx(
+        explained[a]["predictedTtftMs"] + charge, abs=0.01
+    )
+    assert explained[a]["kvFull"] is (setting and a_fresh and not continues)
+    assert explained[c]["costMs"] == pytest.approx(explained[c]["predictedTtftMs"], abs=0.01)
+    if a_charged:
+        assert scores[a] < 0.9 < scores[c] == max(scores.values())
+    else:
+        assert scores[a] == max(scores.values())
