@@ -84,7 +84,8 @@ def provenance(command: str) -> dict[str, Any]:
     count, something else competed)."""
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results")
     outside = code_outside_checkout()
-    dirty = (bool(status) if status is not None else None) or bool(outside)
+    # None: git could not tell, and nothing came from elsewhere.
+    dirty = True if outside else (bool(status) if status is not None else None)
     return {
         "command": command,
         "commit": _git("rev-parse", "HEAD"),

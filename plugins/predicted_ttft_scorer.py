@@ -220,10 +220,8 @@ _TIE_FLOOR_S = 1e-3
 _MAX_SHARE = 0.95
 # The facts `spreadByPodRequests` counts a pod's requests from.
 _POD_REQUEST_FACTS = (RUNNING, WAITING)
-# The facts `kvRoomForNew` reads, and the block size it assumes where a pod reports
-# its cache's blocks but not their size (vLLM's default).
+# The facts `kvRoomForNew` reads.
 _KV_ROOM_FACTS = (KV_CACHE_USAGE, CACHE_INFO)
-_DEFAULT_BLOCK_TOKENS = 16
 
 
 def _uncached_tenths(p: TtftPrediction) -> int:
@@ -269,14 +267,14 @@ def _charged_a_miss(
 
 def _without_kv_room(predicted: Mapping[Endpoint, TtftPrediction], now: float) -> set[Endpoint]:
     """The pods whose KV cache, at their latest fresh scrape, has no room left for
-    the request's uncached tokens (a pod whose usage or cache size is not known
-    counts as having room)."""
+    the request's uncached tokens (a pod whose usage, blocks or block size is not
+    known counts as having room)."""
     full = set()
     for e, p in predicted.items():
         m = e.metrics
-        if m.num_gpu_blocks <= 0 or not m.all_known(_KV_ROOM_FACTS, now):
+        if m.num_gpu_blocks <= 0 or m.block_size <= 0 or not m.all_known(_KV_ROOM_FACTS, now):
             continue
-        cache_tokens = m.num_gpu_blocks * (m.block_size or _DEFAULT_BLOCK_TOKENS)
+        cache_tokens = m.num_gpu_blocks * m.block_size
         if m.kv_cache_usage * cache_tokens + p.uncached_tokens > cache_tokens:
             full.add(e)
     return full

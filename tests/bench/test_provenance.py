@@ -29,3 +29,12 @@ def test_code_imported_from_another_checkout_is_named_and_marks_the_run_dirty(
 
 def test_a_package_that_is_not_installed_is_not_counted() -> None:
     assert code_outside_checkout(("no_such_package_here",)) == []
+
+
+def test_without_git_and_with_nothing_from_elsewhere_dirty_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(provenance_module, "_git", lambda *args: None)
+    document = provenance("python -m bench lab")
+    assert document["dirty"] is None
+    assert document["commit"] is None

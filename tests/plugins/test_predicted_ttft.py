@@ -1432,3 +1432,19 @@ def test_kv_room_for_new_charges_a_pod_without_room_the_prefill_again(
         assert scores[a] < 0.9 < scores[c] == max(scores.values())
     else:
         assert scores[a] == max(scores.values())
+
+
+def test_kv_room_for_new_reads_a_pod_without_a_block_size_as_having_room() -> None:
+    """a reports its cache 99% used and its blocks but not their size: how many
+    tokens it holds is not known, so it is not charged."""
+    fleet = Fleet(scorer=PredictedTtftScorer.Parameters(kv_room_for_new=True, tie_max_ms=1.0))
+    a, b = make_endpoints(2)
+    a.metrics = EndpointMetrics(kv_cache_usage=0.99, num_gpu_blocks=1000, updated_at=fleet.clock())
+    _kv_scrape(b, 0.1, fleet.clock())
+    cycle = CycleState()
+    cycle.put(prefix_match_key("approx-prefix-cache-producer"), PrefixMatchInfo(100, 40, {}))
+    asyncio.run(fleet.producer.prepare(request(PROMPT), cycle, []))
+    fleet.scorer.score(request(PROMPT), cycle, [a, b])
+    explained = _explained(cycle, (a, b))
+    assert explained[a]["kvFull"] is False
+    assert explained[a]["costMs"] == pytest.approx(explained[a]["predictedTtftMs"], abs=0.01)
