@@ -13,7 +13,9 @@ load scorers and the stale-metrics filter, and a real Envoy in front. For
 - churn: every `--churn-interval` seconds one pod, in turn, is killed (SIGKILL)
   and started again on its ports, an engine with an empty cache and its KV-event
   seq back at 0;
-- every `--sample-interval` seconds a sample: the EPP process's RSS, its index
+- every `--sample-interval` seconds a sample: the EPP process's RSS and what it
+  is made of (its /debug/memory: the C allocator's bytes in use, Python's small
+  blocks, and with `--trace-memory` the bytes Python allocations hold), its index
   entries, bound and evictions by the bound (`--max-index-entries`, below the
   pods' total KV blocks so the bound is exercised), the p99 of its pick latency
   over the interval
@@ -21,8 +23,15 @@ load scorers and the stale-metrics filter, and a real Envoy in front. For
   everything the EPP adds), requests ok and failed, KV-event gaps, replays and
   engine restarts seen.
 
+With `--trace-memory FRAMES` the EPP traces its Python allocations (epp/memory.py)
+and the source lines holding the most memory are read at every eighth of the run
+and at its end (all kept in results.json); the report lists the lines that grew
+most over the second half of the run.
+
 The summary compares the start of the run with its end: RSS growth and its slope
-over the second half (a leak shows as a steady slope once caches are warm), the
+over the second half (a leak shows as a steady slope once caches are warm; the
+same slopes for the allocator's bytes, Python's blocks and the traced bytes tell
+a structure that grows from memory the allocator keeps), the
 index's largest size against its bound, p99 pick latency in the first and last
 quarter (the median of the intervals' p99s; their ratio is the drift), and
 errors, split into those around a pod kill (requests in flight to it, or routed
@@ -70,6 +79,7 @@ from bench.stack import (
     start_epp_on_free_ports,
 )
 from bench.stats import median, percentile
+from epp.memory import MAX_FRAMES
 
 # Errors within this long after a pod kill are counted as the kill's.
 CHURN_WINDOW_S = 5.0
@@ -93,6 +103,8 @@ class SoakOptions:
     max_index_entries: int = 12_000
     num_gpu_blocks: int = 4_000  # per pod: small, so engines evict too
     time_scale: float = 0.05
+    # tracemalloc's frames in the EPP (0: not tracing): epp/memory.py.
+    trace_memory_frames: int = 0
     request_timeout_s: float = 60.0
     seed: int = 0
     progress: bool = False
@@ -152,6 +164,11 @@ class Sample:
     kv_replays: float
     kv_restarts: float
     in_flight: float
+    # From the EPP's /debug/memory (None where it does not tell: not glibc, not
+    # tracing, or an older EPP): epp/memory.py.
+    malloc_in_use_bytes: int | None = None
+    python_blocks: int | None = None
+    traced_bytes: int | None = None
 
 
 @dataclass
@@ -161,6 +178,8 @@ class _State:
     restarts_ready: list[float] = field(default_factory=list)
     restart_failures: list[str] = field(default_factory=list)
     sample_failures: int = 0  # samples the EPP did not answer (it died, say)
+    # With --trace-memory: {"t_s": ..., "sites": [{"site", "bytes", "blocks"}, ...]}.
+    site_readings: list[dict[str, Any]] = field(default_factory=list)
     started: float = 0.0  # time.monotonic() when the load started
 
 
@@ -173,6 +192,7 @@ async def _sample(
     previous: dict[str, Any],
 ) -> Sample:
     page = await fetch_page(session, admin + "/metrics")
+    memory = await _memory(session, admin)
     pick = histogram(page, "epp_scheduler_duration_seconds")
     processing = histogram(page, "epp_request_processing_duration_seconds")
     now = time.monotonic()
@@ -194,9 +214,42 @@ async def _sample(
         kv_replays=total(page, "epp_kv_event_replays_total", result="requested"),
         kv_restarts=total(page, "epp_kv_index_resets_total", reason="restart"),
         in_flight=total(page, "epp_in_flight_requests"),
+        malloc_in_use_bytes=memory.get("malloc_in_use_bytes"),
+        python_blocks=memory.get("python_blocks"),
+        traced_bytes=memory.get("traced_bytes"),
     )
     previous.update(pick=pick, processing=processing, seen=seen, at=now)
     return sample
+
+
+# Source lines read at each reading of the sites (the most memory first).
+SITES_READ = 60
+# The fractions of the run at which the sites are read (and at its end).
+SITE_READINGS_AT = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
+
+
+async def _memory(session: aiohttp.ClientSession, admin: str, sites: int = 0) -> dict[str, Any]:
+    """The EPP's /debug/memory (epp/memory.py); {} where it has none."""
+    url = admin + "/debug/memory" + (f"?sites={sites}" if sites else "")
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=60)) as response:
+        if response.status == 404:
+            return {}
+        response.raise_for_status()
+        reading: dict[str, Any] = await response.json()
+        return reading
+
+
+async def _read_sites(
+    session: aiohttp.ClientSession, admin: str, started: float, state: _State
+) -> None:
+    """The source lines holding the most traced memory, now (a snapshot of every
+    trace in the EPP: seconds, not the sample's milliseconds)."""
+    try:
+        reading = await _memory(session, admin, SITES_READ)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        state.sample_failures += 1
+        return
+    state.site_readings.append({"t_s": time.monotonic() - started, "sites": reading["sites"]})
 
 
 async def _take_sample(
@@ -269,6 +322,7 @@ async def _run(
             else None
         )
         next_sample = started + options.sample_interval_s
+        site_readings = [started + f * duration_s for f in SITE_READINGS_AT]
         shown = 0
         try:
             while (now := time.monotonic()) < started + duration_s:
@@ -277,6 +331,9 @@ async def _run(
                 if now >= next_sample:
                     await _take_sample(session, admin, pid, load, started, previous, state)
                     next_sample += options.sample_interval_s
+                if options.trace_memory_frames and site_readings and now >= site_readings[0]:
+                    site_readings.pop(0)
+                    await _read_sites(session, admin, started, state)
                 if bar is not None:
                     elapsed = min(round(now - started), round(duration_s))
                     bar.update(elapsed - shown)
@@ -300,6 +357,8 @@ async def _run(
                 bar.close()
         # The last partial interval, answers of the last requests included.
         await _take_sample(session, admin, pid, load, started, previous, state)
+        if options.trace_memory_frames:
+            await _read_sites(session, admin, started, state)
     return state, outcomes, time.monotonic() - started
 
 
@@ -320,7 +379,16 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
         config = out / "config.yaml"
         config.write_text(yaml.safe_dump(soak_config(options.max_index_entries), sort_keys=False))
         epp, ports = await asyncio.to_thread(
-            start_epp_on_free_ports, endpoints, out / "epp", config, ["--debug-endpoints"]
+            start_epp_on_free_ports,
+            endpoints,
+            out / "epp",
+            config,
+            ["--debug-endpoints"]
+            + (
+                ["--trace-memory", str(options.trace_memory_frames)]
+                if options.trace_memory_frames
+                else []
+            ),
         )
         stops.append(epp.stop)
         assert epp.process is not None
@@ -352,12 +420,13 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
         },
         "wall_s": wall_s,
         "epp_alive_at_end": epp_alive,
-        "summary": summarize(state, outcomes),
+        "summary": summarize(state, outcomes, state.site_readings),
         "kills_s": state.kills,
         "restarted_s": state.restarts_ready,
         "restart_failures": state.restart_failures,
         "sample_failures": state.sample_failures,
         "samples": [asdict(s) for s in state.samples],
+        "site_readings": state.site_readings,
     }
     (out / "results.json").write_text(json.dumps(document, indent=1) + "\n")
     plots = [p for p in (plot(document, out),) if p is not None]
@@ -377,11 +446,53 @@ def _slope(points: Sequence[tuple[float, float]]) -> float | None:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
 
 
-def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+def _second_half_slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """The slope, per minute, of the points in the second half of the run (x in
+    seconds)."""
+    half = [(t, y) for t, y in points if t >= points[-1][0] / 2] if points else []
+    slope = _slope(half)
+    return None if slope is None else slope * 60.0
+
+
+def growing_sites(readings: Sequence[dict[str, Any]], count: int = 10) -> list[dict[str, Any]]:
+    """The source lines whose traced memory grew most over the second half of the
+    run: from the first reading of the sites at or after half the last one's time
+    to the last (a line absent from a reading: under that reading's top lines,
+    counted as nothing there, so its growth is an upper bound)."""
+    if len(readings) < 2:
+        return []
+    end = readings[-1]
+    start = next(r for r in readings if r is end or r["t_s"] >= end["t_s"] / 2)
+    if start is end:
+        start = readings[-2]
+    first = {site["site"]: site for site in start["sites"]}
+    last = end["sites"]
+    grown = [
+        {
+            "site": site["site"],
+            "t_first_s": start["t_s"],
+            "t_last_s": end["t_s"],
+            "bytes_first": first[site["site"]]["bytes"] if site["site"] in first else None,
+            "bytes_last": site["bytes"],
+            "growth_bytes": site["bytes"] - first.get(site["site"], {"bytes": 0})["bytes"],
+            "blocks_last": site["blocks"],
+        }
+        for site in last
+    ]
+    grown.sort(key=lambda g: -g["growth_bytes"])
+    return [g for g in grown[:count] if g["growth_bytes"] > 0]
+
+
+def summarize(
+    state: _State, outcomes: Sequence[Outcome], site_readings: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
     samples = state.samples
     rss = [(s.t_s, s.rss_bytes / 2**20) for s in samples if s.rss_bytes is not None]
-    half = [(t, mb) for t, mb in rss if rss and t >= rss[-1][0] / 2]
-    slope = _slope(half)
+    malloc = [
+        (s.t_s, s.malloc_in_use_bytes / 2**20) for s in samples if s.malloc_in_use_bytes is not None
+    ]
+    blocks = [(s.t_s, float(s.python_blocks)) for s in samples if s.python_blocks is not None]
+    traced = [(s.t_s, s.traced_bytes / 2**20) for s in samples if s.traced_bytes is not None]
     quarter = max(1, len(samples) // 4)
     first, last = samples[:quarter], samples[-quarter:]
     started = state.started
@@ -414,7 +525,17 @@ def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "rss_start_mb": rss[0][1] if rss else None,
         "rss_end_mb": rss[-1][1] if rss else None,
         "rss_max_mb": max((mb for _, mb in rss), default=None),
-        "rss_slope_second_half_mb_per_min": None if slope is None else slope * 60.0,
+        "rss_slope_second_half_mb_per_min": _second_half_slope(rss),
+        "malloc_in_use_start_mb": malloc[0][1] if malloc else None,
+        "malloc_in_use_end_mb": malloc[-1][1] if malloc else None,
+        "malloc_in_use_slope_second_half_mb_per_min": _second_half_slope(malloc),
+        "python_blocks_start": blocks[0][1] if blocks else None,
+        "python_blocks_end": blocks[-1][1] if blocks else None,
+        "python_blocks_slope_second_half_per_min": _second_half_slope(blocks),
+        "traced_start_mb": traced[0][1] if traced else None,
+        "traced_end_mb": traced[-1][1] if traced else None,
+        "traced_slope_second_half_mb_per_min": _second_half_slope(traced),
+        "growing_sites": growing_sites(site_readings),
         "index_max_entries_seen": largest,
         "index_bound": bound,
         "index_within_bound": largest <= bound if bound else None,
@@ -445,9 +566,22 @@ def plot(document: dict[str, Any], out: Path) -> str | None:
     minutes = [s["t_s"] / 60 for s in samples]
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
     (rss_ax, index_ax), (pick_ax, load_ax) = axes
-    rss_ax.plot(minutes, [(s["rss_bytes"] or 0) / 2**20 for s in samples], color="tab:blue")
-    rss_ax.set_ylabel("EPP RSS (MiB)")
+    rss_ax.plot(
+        minutes, [(s["rss_bytes"] or 0) / 2**20 for s in samples], color="tab:blue", label="RSS"
+    )
+    for key, label in (
+        ("malloc_in_use_bytes", "C allocator in use"),
+        ("traced_bytes", "Python allocations (traced)"),
+    ):
+        if any(s.get(key) is not None for s in samples):
+            rss_ax.plot(
+                minutes,
+                [None if s.get(key) is None else s[key] / 2**20 for s in samples],
+                label=label,
+            )
+    rss_ax.set_ylabel("EPP memory (MiB)")
     rss_ax.set_title("Memory")
+    rss_ax.legend()
     index_ax.plot(minutes, [s["index_entries"] for s in samples], label="entries")
     index_ax.plot(minutes, [s["index_max_entries"] for s in samples], linestyle="--", label="bound")
     index_ax.set_ylabel("index (block, pod) entries")
@@ -487,6 +621,10 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _kib(value: int | None) -> float | None:
+    return None if value is None else value / 1024
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.2f} ms"
 
@@ -511,6 +649,25 @@ def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
         f" | bound {s['index_bound']:,.0f}:"
         f" {'within' if s['index_within_bound'] else 'EXCEEDED'};"
         f" {s['index_evicted_entries']:,.0f} evicted by it |",
+    ]
+    for what, start, end, slope, unit in (
+        ("C allocator in use", "malloc_in_use_start_mb", "malloc_in_use_end_mb",
+         "malloc_in_use_slope_second_half_mb_per_min", "MiB"),
+        ("Python's small blocks", "python_blocks_start", "python_blocks_end",
+         "python_blocks_slope_second_half_per_min", ""),
+        ("Python allocations (traced)", "traced_start_mb", "traced_end_mb",
+         "traced_slope_second_half_mb_per_min", "MiB"),
+    ):  # fmt: skip
+        if s.get(end) is None:
+            continue  # an older run, or not measured (not glibc, not tracing)
+        spec = ".1f" if unit else ",.0f"
+        space = " " if unit else ""
+        lines.append(
+            f"| {what} | {_fmt(s[start], spec)}{space}{unit} | {_fmt(s[end], spec)}{space}{unit}"
+            f" | second-half slope {_fmt(s[slope], '+.3f' if unit else '+,.0f')}"
+            f" {unit + '/min' if unit else 'a minute'} |"
+        )
+    lines += [
         "",
         f"Requests: {s['requests']}, ok {s['ok']}, errors {s['errors']} ({s['errors_around_kills']}"
         f" around a pod kill, {s['errors_other']} other; {s['error_kinds'] or 'none'}). Client p99"
@@ -519,6 +676,24 @@ def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
         f" In flight at the end: {_fmt(s['in_flight_at_end'], 'g')}. EPP alive at the end:"
         f" {'yes' if document['epp_alive_at_end'] else 'NO'}.",
     ]
+    grown = s.get("growing_sites") or []
+    if grown:
+        start_min, end_min = grown[0]["t_first_s"] / 60, grown[0]["t_last_s"] / 60
+        lines += [
+            "",
+            f"Source lines whose traced memory grew most from minute {start_min:.1f}"
+            f" to minute {end_min:.1f} (of the {SITES_READ} holding the most at"
+            " each reading; a line not among them at the first counts from nothing):",
+            "",
+            "| line | first KiB | last KiB | growth KiB | blocks |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| `{g['site']}` | {_fmt(_kib(g['bytes_first']), ',.0f')}"
+            f" | {_kib(g['bytes_last']):,.0f} | {_kib(g['growth_bytes']):+,.0f}"
+            f" | {g['blocks_last']:,} |"
+            for g in grown
+        ]
     if document["restart_failures"] or document["sample_failures"]:
         lines += [
             "",
@@ -563,6 +738,14 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--num-gpu-blocks", type=int, default=4_000, help="per pod")
     parser.add_argument("--time-scale", type=float, default=0.05, help="the pods' time scale")
+    parser.add_argument(
+        "--trace-memory",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="run the EPP with --trace-memory FRAMES and report the source lines whose"
+        " memory grew (costs the EPP CPU: its latency figures are then not comparable)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/soak"))
     parser.add_argument("--no-progress", action="store_true")
@@ -574,6 +757,9 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "error: --minutes, --pods, --rate and --sample-interval must be positive",
             file=sys.stderr,
         )
+        return 2
+    if not 0 <= args.trace_memory <= MAX_FRAMES:
+        print(f"error: --trace-memory must be from 0 (off) to {MAX_FRAMES}", file=sys.stderr)
         return 2
     options = SoakOptions(
         out_dir=args.out,
@@ -589,6 +775,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_index_entries=args.max_index_entries,
         num_gpu_blocks=args.num_gpu_blocks,
         time_scale=args.time_scale,
+        trace_memory_frames=args.trace_memory,
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
         command="python -m bench " + shlex.join(argv),

@@ -1,8 +1,10 @@
 """The admin HTTP server (`--metrics-port`, 9090): /metrics, /healthz, /readyz, and
-with `--debug-endpoints` the read-only /debug/endpoints and /debug/explain."""
+with `--debug-endpoints` the read-only /debug/endpoints, /debug/explain and
+/debug/memory (epp/memory.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from epp.datastore import Datastore
 from epp.director import Director
 from epp.errors import BadRequest, EppError
+from epp.memory import MAX_SITES, read_memory
 from epp.requests import parse_request
 from epp.sources.metrics import describe_metrics
 from epp.telemetry import Telemetry
@@ -62,6 +65,7 @@ class AdminServer:
         if debug_endpoints:
             self.app.router.add_get("/debug/endpoints", self.endpoints)
             self.app.router.add_post("/debug/explain", self.explain)
+            self.app.router.add_get("/debug/memory", self.memory)
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -144,3 +148,19 @@ class AdminServer:
         except EppError as error:
             return _error_response(error)
         return _json_response(explanation)
+
+    async def memory(self, request: web.Request) -> web.Response:
+        """The EPP's memory (epp/memory.py); `?sites=N` adds the N source lines
+        holding the most traced memory (with `--trace-memory`)."""
+        text = request.query.get("sites", "0")
+        try:
+            sites = int(text)
+        except ValueError:
+            sites = -1
+        if not 0 <= sites <= MAX_SITES:
+            return _error_response(
+                BadRequest(f"sites must be a whole number from 0 to {MAX_SITES}, got {text!r}")
+            )
+        # Listing the sites snapshots every live trace: off the event loop.
+        reading = await asyncio.to_thread(read_memory, sites) if sites else read_memory()
+        return _json_response(reading.to_json())

@@ -77,6 +77,9 @@ class ServeOptions:
     grpc_health_port: int = defaults.GRPC_HEALTH_PORT
     metrics_port: int = defaults.METRICS_PORT
     debug_endpoints: bool = False
+    # --trace-memory: tracemalloc's frames per allocation (0: not tracing); the CLI
+    # starts the tracing before the app is built (epp/memory.py).
+    trace_memory_frames: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_prompts: bool = False
     score_header: bool = False

@@ -16,6 +16,7 @@ from epp.config import InvalidConfig, load_config_file
 from epp.durations import parse_duration
 from epp.extproc.stream import DEFAULT_MAX_BODY_BYTES
 from epp.logs import setup_logging
+from epp.memory import MAX_FRAMES, start_tracing
 from epp.scheduling.registry import PluginRegistry
 from epp.sources.kube import KubeOptions, KvEventPorts, WatchSettings
 from epp.sources.kube.objects import (
@@ -355,7 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     obs.add_argument(
         "--debug-endpoints",
         action="store_true",
-        help="serve /debug/endpoints and /debug/explain on the admin port",
+        help="serve /debug/endpoints, /debug/explain and /debug/memory on the admin port",
+    )
+    obs.add_argument(
+        "--trace-memory",
+        type=_positive,
+        default=0,
+        metavar="FRAMES",
+        help="trace Python allocations (tracemalloc, FRAMES frames each) so that"
+        " /debug/memory?sites=N lists the source lines holding the most memory; costs"
+        " CPU and memory, for finding what grows (needs --debug-endpoints)",
     )
     obs.add_argument("--log-format", choices=["text", "json"], default=defaults.LOG_FORMAT)
     obs.add_argument(
@@ -433,6 +443,14 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         problems.append(
             "--enable-cert-reload needs --cert-path (a self-signed certificate is never renewed)"
         )
+    if args.trace_memory and not args.debug_endpoints:
+        problems.append(
+            "--trace-memory needs --debug-endpoints (its readings are served at /debug/memory)"
+        )
+    elif args.trace_memory > MAX_FRAMES:
+        problems.append(
+            f"--trace-memory keeps at most {MAX_FRAMES} frames, got {args.trace_memory}"
+        )
     if problems:
         raise UsageError("\n".join(problems))
     return ServeOptions(
@@ -445,6 +463,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         grpc_health_port=args.grpc_health_port,
         metrics_port=args.metrics_port,
         debug_endpoints=args.debug_endpoints,
+        trace_memory_frames=args.trace_memory,
         max_body_bytes=args.max_body_bytes,
         log_prompts=args.log_prompts,
         score_header=args.score_header,
@@ -471,6 +490,10 @@ def _serve(args: argparse.Namespace) -> int:
         for problem in str(exc).splitlines():
             log.error("%s", problem)
         return 2
+
+    if options.trace_memory_frames:
+        # Before the app is built, so that what it allocates at start-up is traced.
+        start_tracing(options.trace_memory_frames)
 
     async def run() -> None:
         app = EppApp(options)
