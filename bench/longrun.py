@@ -236,18 +236,6 @@ async def fetch_json(session: aiohttp.ClientSession, url: str, timeout_s: float 
         return await response.json()
 
 
-def rss_bytes(pid: int) -> int | None:
-    """Resident set size of a process (Linux /proc), None if unknown."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 async def wait_for(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
     """Poll the async `check` until it returns something truthy (that value), or
     None once `timeout_s` has passed."""

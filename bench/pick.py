@@ -29,7 +29,6 @@ import asyncio
 import gc
 import json
 import logging
-import os
 import random
 import shlex
 import subprocess
@@ -56,6 +55,7 @@ from epp.kvindex.ingest import PreciseIndex, StreamIndex
 from epp.kvindex.service import PrecisePrefixService
 from epp.kvindex.subscriber import KVEventStream, SubscriberSettings
 from epp.logs import LogOnce
+from epp.memory import rss_bytes
 from epp.requests import parse_request
 from epp.scheduling.interfaces import ServerSettings
 from epp.scheduling.registry import PluginRegistry
@@ -512,8 +512,10 @@ def fleet_sizes(text: str) -> list[int]:
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss = rss_bytes()
+    if rss is None:
+        raise SystemExit("measuring RSS needs Linux's /proc")
+    return rss
 
 
 def fill_precise_index(

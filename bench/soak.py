@@ -66,7 +66,6 @@ from bench.longrun import (
     fetch_page,
     histogram,
     quantile,
-    rss_bytes,
     total,
 )
 from bench.provenance import provenance
@@ -79,7 +78,7 @@ from bench.stack import (
     start_epp_on_free_ports,
 )
 from bench.stats import median, percentile
-from epp.memory import MAX_FRAMES
+from epp.memory import MAX_FRAMES, rss_bytes
 
 # Errors within this long after a pod kill are counted as the kill's.
 CHURN_WINDOW_S = 5.0

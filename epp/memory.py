@@ -76,10 +76,11 @@ def malloc_in_use() -> int | None:
     return int(info.uordblks) + int(info.hblkhd)
 
 
-def process_rss() -> int | None:
-    """This process's resident set size (Linux /proc), or None where unknown."""
+def rss_bytes(pid: int | None = None) -> int | None:
+    """A process's resident set size (Linux /proc; this process's by default), or
+    None where unknown."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{'self' if pid is None else pid}/status") as status:
             for line in status:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
@@ -158,7 +159,7 @@ def read_memory(sites: int = 0) -> MemoryReading:
     tracing = tracemalloc.is_tracing()
     traced, peak = tracemalloc.get_traced_memory() if tracing else (None, None)
     return MemoryReading(
-        rss_bytes=process_rss(),
+        rss_bytes=rss_bytes(),
         malloc_in_use_bytes=malloc_in_use(),
         python_blocks=sys.getallocatedblocks(),
         tracing=tracing,

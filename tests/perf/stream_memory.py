@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import json
 import multiprocessing
@@ -38,24 +36,17 @@ from typing import Any
 
 from bench.provenance import provenance
 from bench.stack import Pods, envoy_config, free_port, start_envoy
+from epp.memory import malloc_in_use
 from tests.epp.conftest import app_on_runner, local_options
 
 GRACEFUL_CLOSE = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
 
 
-_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS.split()]
-
-
-def _malloc_in_use() -> int:
-    """Bytes the C allocator has handed out and not had back (glibc only)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallinfo2.restype = _MallInfo2
-    info: _MallInfo2 = libc.mallinfo2()
-    return int(info.uordblks) + int(info.hblkhd)
+def _malloc_in_use_now() -> int:
+    in_use = malloc_in_use()
+    if in_use is None:
+        raise SystemExit("this measurement needs glibc's mallinfo2 (the C allocator's bytes)")
+    return in_use
 
 
 def _send(url: str, requests: int, concurrency: int, errors: Any) -> None:
@@ -120,10 +111,10 @@ def run(requests: int = 8000, concurrency: int = 8) -> dict[str, Any]:
                             asyncio.to_thread(_load, url, requests // 4, concurrency)
                         )
                         gc.collect()
-                        before = _malloc_in_use()
+                        before = _malloc_in_use_now()
                         errors = runner.run(asyncio.to_thread(_load, url, requests, concurrency))
                         gc.collect()
-                        after = _malloc_in_use()
+                        after = _malloc_in_use_now()
                     finally:
                         envoy.stop()
                     results[name] = {
