@@ -11,7 +11,8 @@ import pytest
 
 from bench.__main__ import main
 from bench.longrun import PrefixSpace, histogram, quantile, total
-from bench.soak import SoakOptions, run_soak
+from bench.soak import SoakOptions, growing_sites, run_soak
+from epp.memory import malloc_in_use
 
 
 def test_a_short_soak_with_churn(tmp_path: Path) -> None:
@@ -25,6 +26,7 @@ def test_a_short_soak_with_churn(tmp_path: Path) -> None:
             churn_interval_s=4.0,
             sample_interval_s=2.0,
             max_index_entries=300,  # far below what the pods cache: the bound must act
+            trace_memory_frames=1,
         )
     )
     summary = document["summary"]
@@ -45,12 +47,53 @@ def test_a_short_soak_with_churn(tmp_path: Path) -> None:
     assert len(samples) >= 5
     assert all(s["rss_bytes"] and s["rss_bytes"] > 10 * 2**20 for s in samples)
     assert any(s["pick_p99_s"] is not None for s in samples)
+    # What the memory is made of, from the EPP's /debug/memory, traced.
+    assert all(s["python_blocks"] > 10_000 for s in samples)
+    assert all(0 < s["traced_bytes"] < s["rss_bytes"] for s in samples)
+    if malloc_in_use() is not None:  # glibc: the EPP reads its allocator too
+        assert all(0 < s["malloc_in_use_bytes"] < s["rss_bytes"] for s in samples)
+    readings = document["site_readings"]
+    assert len(readings) == 8  # every eighth of the run, and its end
+    assert [r["t_s"] for r in readings] == sorted(r["t_s"] for r in readings)
+    assert all(r["sites"] and r["sites"][0]["bytes"] > 0 for r in readings)
+    # The EPP's own code holds memory: its index, at least, is among the lines.
+    assert any(site["site"].startswith("epp/") for site in readings[-1]["sites"])
+    assert summary["traced_end_mb"] > 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["summary"] == summary
     report = (tmp_path / "report.md").read_text()
     assert "| EPP RSS |" in report
+    assert "| Python allocations (traced) |" in report
     assert "![soak.png](soak.png)" in report
     assert (tmp_path / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _sites(**kib: int) -> list[dict[str, int | str]]:
+    return [{"site": k, "bytes": v * 1024, "blocks": v} for k, v in kib.items()]
+
+
+def test_growing_sites_over_the_second_half() -> None:
+    readings = [
+        {"t_s": 10.0, "sites": _sites(a=500, b=10)},  # before half the run: not compared
+        {"t_s": 45.0, "sites": _sites(a=100, b=50, c=40)},  # the first at half the run
+        {"t_s": 80.0, "sites": _sites(a=400, b=50, c=30, d=60)},
+    ]
+    grown = growing_sites(readings)
+    # a grew 300 KiB; d was not among the lines at 45 s (counted from nothing); b
+    # stayed, c shrank: neither is listed.
+    assert [(g["site"], g["growth_bytes"] // 1024) for g in grown] == [("a", 300), ("d", 60)]
+    assert grown[0]["bytes_first"] == 100 * 1024
+    assert grown[1]["bytes_first"] is None
+    assert grown[0]["t_first_s"] == 45.0
+    assert grown[0]["t_last_s"] == 80.0
+    # Two readings: the earlier is the start, wherever it falls (a shrank from it).
+    two = growing_sites(readings[::2])
+    assert [(g["site"], g["growth_bytes"] // 1024) for g in two] == [
+        ("d", 60),
+        ("b", 40),
+        ("c", 30),
+    ]
+    assert growing_sites(readings[:1]) == []
 
 
 def test_histogram_quantile_between_two_readings() -> None:

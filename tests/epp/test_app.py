@@ -76,6 +76,30 @@ async def test_debug_endpoints_are_off_unless_asked_for(start_epp: StartEpp) -> 
         assert response.status == 404
     async with epp.http.post(f"{epp.admin_url}/debug/explain", json={"path": "/"}) as response:
         assert response.status == 404
+    async with epp.http.get(f"{epp.admin_url}/debug/memory") as response:
+        assert response.status == 404
+
+
+async def test_debug_memory_reads_the_process(epp: Epp) -> None:
+    async with epp.http.get(f"{epp.admin_url}/debug/memory") as response:
+        assert response.status == 200
+        reading = await response.json()
+    # This process (the test runs the EPP in it): tens of MiB resident, Python's
+    # blocks in the tens of thousands at least; not tracing, so no sites.
+    assert reading["rss_bytes"] > 10 * 2**20
+    assert reading["python_blocks"] > 10_000
+    assert reading["tracing"] is False
+    assert reading["traced_bytes"] is None
+    assert reading["sites"] == []
+
+
+@pytest.mark.parametrize("sites", ["-1", "501", "ten", "1.5"])
+async def test_debug_memory_refuses_a_bad_site_count(epp: Epp, sites: str) -> None:
+    async with epp.http.get(f"{epp.admin_url}/debug/memory?sites={sites}") as response:
+        assert response.status == 400
+        body = await response.json()
+    assert "sites must be a whole number from 0 to 500" in body["error"]["message"]
+    assert repr(sites) in body["error"]["message"]
 
 
 async def test_metrics_count_requests_by_outcome_and_time_the_plugins(epp: Epp) -> None:

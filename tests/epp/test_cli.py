@@ -70,6 +70,11 @@ def test_the_pool_namespace_defaults_to_the_pods_namespace(
         (("--endpoints-file", "e.yaml", "--kv-events-port", "5557"), "for Kubernetes discovery"),
         (("--endpoints-file", "e.yaml", "--kubeconfig", "kc"), "--kubeconfig: for Kubernetes"),
         (("--pool-name", "p", "--kv-events-replay-port", "5558"), "needs --kv-events-port"),
+        (("--endpoints-file", "e.yaml", "--trace-memory", "4"), "needs --debug-endpoints"),
+        (
+            ("--endpoints-file", "e.yaml", "--debug-endpoints", "--trace-memory", "101"),
+            "at most 100 frames, got 101",
+        ),
     ],
 )
 def test_combinations_that_cannot_work(argv: tuple[str, ...], message: str) -> None:
@@ -85,6 +90,7 @@ def test_combinations_that_cannot_work(argv: tuple[str, ...], message: str) -> N
         ("--endpoint-target-ports", "http"),
         ("--endpoint-target-ports", "8000,8000"),
         ("--pool-group", "example.com"),
+        ("--trace-memory", "0"),
     ],
 )
 def test_malformed_flags_are_refused_by_the_parser(

@@ -1,5 +1,5 @@
 """Prompts never leave the EPP: not in its logs (at the highest verbosity), not on
-/metrics, not in /debug/endpoints or /debug/explain output, unless --log-prompts
+/metrics, not in /debug/endpoints, /debug/explain or /debug/memory output, unless --log-prompts
 is given; /debug/* do not exist without --debug-endpoints; and every metric label
 value comes from a bounded set (the config, the pool, fixed vocabularies), never
 from a request.
@@ -55,7 +55,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecurityStack]:
         {
             # The highest verbosity there is: library loggers at debug too (-v 5+).
             "verbose": [*COMMON, "-v", "10"],
-            "verbose-json": [*COMMON, "-v", "10", "--log-format", "json"],
+            # ... and tracing its memory: /debug/memory names source lines, never data.
+            "verbose-json": [*COMMON, "-v", "10", "--log-format", "json", "--trace-memory", "4"],
             "log-prompts": [*COMMON, "-v", "3", "--log-prompts"],
             "no-debug": ["-v", "10"],
         },
@@ -187,6 +188,10 @@ async def test_prompts_reach_no_log_metric_or_debug_output(stack: SecurityStack,
     assert explain_ok[0] == 200
     assert explain_bad[0] == explain_raw[0] == 400
     _, metrics = await fetch(f"{admin}/metrics")
+    memory_status, memory = await fetch(f"{admin}/debug/memory?sites=500")
+    assert memory_status == 200
+    if epp == "verbose-json":
+        assert '"site"' in memory  # traced: the lines are there to look at
     log = epp_log(stack, epp)
     # The log really is at its most verbose: per-request lines and debug lines.
     assert "routed" in log
@@ -199,6 +204,7 @@ async def test_prompts_reach_no_log_metric_or_debug_output(stack: SecurityStack,
         "/debug/explain": explain_ok[1],
         "/debug/explain (bad request)": explain_bad[1],
         "/debug/explain (bad JSON)": explain_raw[1],
+        "/debug/memory": memory,
     }.items():
         assert PROMPT_MARKER not in text, f"the prompt leaked into {where}"
     assert MODEL_MARKER not in metrics, "a request's model became a metric label"
@@ -239,6 +245,7 @@ async def test_debug_endpoints_are_off_by_default(stack: SecurityStack) -> None:
     explain = {"path": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
     assert (await fetch(f"{admin}/debug/explain", "POST", explain))[0] == 404
     assert (await fetch(f"{admin}/debug/explain"))[0] == 404
+    assert (await fetch(f"{admin}/debug/memory"))[0] == 404
     # The rest of the admin port is there.
     assert (await fetch(f"{admin}/metrics"))[0] == 200
     assert (await fetch(f"{admin}/healthz"))[0] == 200
