@@ -3,8 +3,9 @@
     python -m bench soak --minutes 30
 
 Simulated pods (`bench.stack.Pods`), `epp serve` with precise prefix routing,
-load scorers and the stale-metrics filter, and a real Envoy in front. For
-`--minutes`:
+load scorers and the stale-metrics filter (or the config given with `--config`:
+`manifests/config/default.yaml` soaks what `epp serve` runs without one), and a
+real Envoy in front. For `--minutes`:
 
 - open-loop Poisson requests at `--rate` per second through Envoy, token-id
   prompts whose system prompt is drawn from `--groups` groups with Zipf weights
@@ -104,6 +105,8 @@ class SoakOptions:
     time_scale: float = 0.05
     # tracemalloc's frames in the EPP (0: not tracing): epp/memory.py.
     trace_memory_frames: int = 0
+    # The EPP's config file (None: `soak_config`, precise prefix routing).
+    config: Path | None = None
     request_timeout_s: float = 60.0
     seed: int = 0
     progress: bool = False
@@ -376,7 +379,12 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
         await asyncio.to_thread(pods.start)
         endpoints = pods.endpoints_file(out / "endpoints.yaml")
         config = out / "config.yaml"
-        config.write_text(yaml.safe_dump(soak_config(options.max_index_entries), sort_keys=False))
+        if options.config is None:
+            config.write_text(
+                yaml.safe_dump(soak_config(options.max_index_entries), sort_keys=False)
+            )
+        else:
+            config.write_text(options.config.read_text(encoding="utf-8"))
         epp, ports = await asyncio.to_thread(
             start_epp_on_free_ports,
             endpoints,
@@ -644,10 +652,14 @@ def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
         f" | {_ms(s['pick_p99_last_quarter_s'])} | drift x{_fmt(s['pick_p99_drift'], '.2f')} |",
         f"| EPP processing p99 | {_ms(s['processing_p99_first_quarter_s'])}"
         f" | {_ms(s['processing_p99_last_quarter_s'])} | |",
-        f"| index entries | | {s['index_max_entries_seen']:,.0f} (largest)"
-        f" | bound {s['index_bound']:,.0f}:"
-        f" {'within' if s['index_within_bound'] else 'EXCEEDED'};"
-        f" {s['index_evicted_entries']:,.0f} evicted by it |",
+        (
+            f"| index entries | | {s['index_max_entries_seen']:,.0f} (largest)"
+            f" | bound {s['index_bound']:,.0f}:"
+            f" {'within' if s['index_within_bound'] else 'EXCEEDED'};"
+            f" {s['index_evicted_entries']:,.0f} evicted by it |"
+            if s["index_within_bound"] is not None
+            else "| precise index | | | none in this config |"
+        ),
     ]
     for what, start, end, slope, unit in (
         ("C allocator in use", "malloc_in_use_start_mb", "malloc_in_use_end_mb",
@@ -745,6 +757,12 @@ def add_parser(commands: Any) -> None:
         help="run the EPP with --trace-memory FRAMES and report the source lines whose"
         " memory grew (costs the EPP CPU: its latency figures are then not comparable)",
     )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="the EPP's config file (default: precise prefix routing with load scorers;"
+        " manifests/config/default.yaml is what `epp serve` runs without one)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/soak"))
     parser.add_argument("--no-progress", action="store_true")
@@ -759,6 +777,9 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     if not 0 <= args.trace_memory <= MAX_FRAMES:
         print(f"error: --trace-memory must be from 0 (off) to {MAX_FRAMES}", file=sys.stderr)
+        return 2
+    if args.config is not None and not args.config.is_file():
+        print(f"error: --config {args.config}: no such file", file=sys.stderr)
         return 2
     options = SoakOptions(
         out_dir=args.out,
@@ -775,6 +796,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         num_gpu_blocks=args.num_gpu_blocks,
         time_scale=args.time_scale,
         trace_memory_frames=args.trace_memory,
+        config=args.config,
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
         command="python -m bench " + shlex.join(argv),

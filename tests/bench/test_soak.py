@@ -11,7 +11,7 @@ import pytest
 
 from bench.__main__ import main
 from bench.longrun import PrefixSpace, histogram, quantile, total
-from bench.soak import SoakOptions, growing_sites, run_soak
+from bench.soak import SoakOptions, growing_sites, report, run_soak
 from epp.memory import malloc_in_use
 
 
@@ -149,6 +149,36 @@ def test_the_prefix_space_is_skewed_and_reproducible() -> None:
     assert PrefixSpace(groups=1000, system_len=32, seed=3).system(7) == space.system(7)
 
 
-def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["soak", "--minutes", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
+    assert main(["soak", "--trace-memory", "101"]) == 2
+    assert "--trace-memory must be from 0 (off) to 100" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main(["soak", "--config", str(tmp_path / "none.yaml"), "--out", str(out)]) == 2
+    assert "none.yaml: no such file" in capsys.readouterr().err
+    assert not out.exists()  # nothing was started or written
+
+
+def test_a_soak_of_the_default_config(tmp_path: Path) -> None:
+    """`--config`: the EPP runs the file given (here what `epp serve` runs without
+    one: predicted TTFT on the approximate index, no precise index to bound)."""
+    default = Path(__file__).parents[2] / "manifests" / "config" / "default.yaml"
+    document = run_soak(
+        SoakOptions(
+            out_dir=tmp_path / "out",
+            minutes=0.1,
+            pods=2,
+            rate=8.0,
+            groups=50,
+            churn_interval_s=0,
+            sample_interval_s=2.0,
+            config=default,
+        )
+    )
+    assert (tmp_path / "out" / "config.yaml").read_text() == default.read_text()
+    summary = document["summary"]
+    assert summary["requests"] > 20
+    assert summary["errors"] == 0
+    assert summary["index_within_bound"] is None  # no precise index in this config
+    assert "| precise index | | | none in this config |" in report(document)
