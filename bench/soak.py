@@ -427,7 +427,7 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
         },
         "wall_s": wall_s,
         "epp_alive_at_end": epp_alive,
-        "summary": summarize(state, outcomes, state.site_readings),
+        "summary": summarize(state, outcomes),
         "kills_s": state.kills,
         "restarted_s": state.restarts_ready,
         "restart_failures": state.restart_failures,
@@ -490,9 +490,7 @@ def growing_sites(readings: Sequence[dict[str, Any]], count: int = 10) -> list[d
     return [g for g in grown[:count] if g["growth_bytes"] > 0]
 
 
-def summarize(
-    state: _State, outcomes: Sequence[Outcome], site_readings: Sequence[dict[str, Any]] = ()
-) -> dict[str, Any]:
+def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
     samples = state.samples
     rss = [(s.t_s, s.rss_bytes / 2**20) for s in samples if s.rss_bytes is not None]
     malloc = [
@@ -542,7 +540,7 @@ def summarize(
         "traced_start_mb": traced[0][1] if traced else None,
         "traced_end_mb": traced[-1][1] if traced else None,
         "traced_slope_second_half_mb_per_min": _second_half_slope(traced),
-        "growing_sites": growing_sites(site_readings),
+        "growing_sites": growing_sites(state.site_readings),
         "index_max_entries_seen": largest,
         "index_bound": bound,
         "index_within_bound": largest <= bound if bound else None,
