@@ -33,10 +33,10 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Final
 
 import xxhash
-from lru import LRU
 
 from epp.datastore import Endpoint
 from epp.kvindex.index import UNBOUNDED, bits
+from epp.lru import LRU, pop_least_recent
 from epp.requests import ChatPrompt, CompletionPrompt, InferenceRequest, Message, ResponsesPrompt
 
 DEFAULT_CHARS_PER_TOKEN: Final = 4.0
@@ -382,7 +382,7 @@ class ApproxPrefixIndex:
                 recent[h] = None
             limit = min(window, capacity)
             while len(recent) > limit:
-                recent.popitem()
+                pop_least_recent(recent)
         lru = self._lrus.get(endpoint)
         if lru is None:
             lru = self._lrus[endpoint] = LRU(UNBOUNDED)
@@ -398,7 +398,7 @@ class ApproxPrefixIndex:
             lru[h] = None  # (again): now the most recently used
         self._size += len(lru) - held
         if len(lru) > capacity:
-            evicted = [lru.popitem()[0] for _ in range(len(lru) - capacity)]
+            evicted = [pop_least_recent(lru) for _ in range(len(lru) - capacity)]
             self.evictions += len(evicted)
             self._disown(evicted, bit)
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
-from lru import LRU
 from prometheus_client.registry import Collector
 from xxhash import xxh3_64_intdigest
 
@@ -51,6 +50,7 @@ from epp.kvindex.speculative import SpeculativeIndex
 from epp.kvindex.subscriber import KVEventSubscriber, SubscriberSettings
 from epp.kvindex.telemetry import PrecisePrefixCollector
 from epp.logs import LogOnce
+from epp.lru import LRU, pop_least_recent
 from epp.requests import InferenceRequest
 from epp.tokenization.models import (
     ANY_MODEL,
@@ -557,7 +557,7 @@ class PrecisePrefixService:
         order = self._anchor_order
         order[keys[anchor]] = None
         if len(order) > MAX_PROMPT_ENDS:
-            del anchors[order.popitem()[0]]
+            del anchors[pop_least_recent(order)]
 
     def _probe(self, found: PromptMatch, endpoint: Endpoint) -> None:
         """Expect the key of the prompt's probe block in `endpoint`'s events."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import tracemalloc
 from collections.abc import Collection
 
 import msgspec
@@ -242,6 +243,34 @@ def test_lru_bound_evicts_the_tail_first() -> None:
     index.add(a, other.all(), 4)
     assert index.blocks_of(a) == 4
     assert index.match(other, [a]) == {a: 3}
+
+
+def test_memory_stays_within_the_bound_however_many_blocks_go_through() -> None:
+    """Evicting under the bound frees what it evicts: after the index is full, the
+    memory it holds does not grow with the blocks that pass through it (lru-dict's
+    popitem kept every evicted block's hash, about 90 bytes each: epp/lru.py)."""
+    index = ApproxPrefixIndex()
+    (a,) = make_endpoints(1)
+
+    def add(prompts: range) -> None:
+        for n in prompts:  # 8 blocks of new text each
+            index.add(a, blocks_of({"model": "m", "prompt": f"{n:08d}" * 16}).all(), 64, 32)
+
+    add(range(100))  # full: 64 blocks, 32 in the window
+    gc.collect()
+    tracemalloc.start()
+    try:
+        add(range(100, 600))
+        gc.collect()
+        after_500 = tracemalloc.get_traced_memory()[0]
+        add(range(600, 5600))  # 40,000 more blocks evicted
+        gc.collect()
+        after_5500 = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert index.size == 64
+    assert index.evictions >= 5500 * 8 - 64
+    assert after_5500 - after_500 < 64 * 1024, (after_500, after_5500)
 
 
 def test_shared_blocks_and_removal() -> None:
