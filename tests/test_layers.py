@@ -25,6 +25,8 @@ ORDER = (
     "epp",  # the package itself: its version
     "epp.clock",
     "epp.heap",  # the long-lived objects and the garbage collector
+    "epp.memory",  # what the process's memory is made of (/debug/memory)
+    "epp.lru",  # the indexes' LRU maps, evicted without a leak
     "epp.durations",
     "epp.defaults",
     "epp.errors",
