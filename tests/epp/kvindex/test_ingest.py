@@ -6,7 +6,9 @@ offload events and bad events do what they should and nothing else."""
 
 from __future__ import annotations
 
+import gc
 import random
+import tracemalloc
 from typing import Any
 
 import msgspec
@@ -441,3 +443,40 @@ def test_a_routed_prompts_end_is_remembered_until_newer_ones_push_it_out(
     svc.record_pick(lookup(firsts[3]), (a,))  # a fourth end: the first one's goes
     assert [svc.continues(lookup(turn)) for turn in nexts] == [False, True, True, True, False]
     assert len(svc._end_anchors) <= 3
+
+
+def test_prompt_ends_past_the_bound_leave_no_memory_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once MAX_PROMPT_ENDS prompts are remembered, each new one pushes the oldest
+    end and anchor out and frees them: the service's memory stays level however
+    many prompts are routed (lru-dict's popitem kept every evicted anchor: epp/lru.py)."""
+    monkeypatch.setattr(service_module, "MAX_PROMPT_ENDS", 16)
+    svc, a, _ = service(block_size=BS)
+    shared = list(range(500, 500 + BS))  # a system prompt the engine holds
+    feed(
+        svc,
+        a,
+        EventBatchEncoder().encode(1.0, [sim_stored(digests("sha256", "s", shared), shared)]),
+    )
+
+    def route(prompts: range) -> None:
+        for p in prompts:  # then two blocks of tokens no other prompt has
+            tokens = shared + list(range(10_000 * (p + 1), 10_000 * (p + 1) + 2 * BS))
+            svc.record_pick(svc.lookup(token_bytes(tokens), HashContext(), [a]), (a,))
+
+    route(range(100))  # past the bound
+    gc.collect()
+    tracemalloc.start()
+    try:
+        route(range(100, 400))
+        gc.collect()
+        after_300 = tracemalloc.get_traced_memory()[0]
+        route(range(400, 2400))
+        gc.collect()
+        after_2300 = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(svc._end_anchors) <= 16
+    assert len(svc._anchor_order) <= 16
+    assert after_2300 - after_300 < 32 * 1024, (after_300, after_2300)
