@@ -574,24 +574,32 @@ def plot(document: dict[str, Any], out: Path) -> str | None:
     rss_ax.plot(
         minutes, [(s["rss_bytes"] or 0) / 2**20 for s in samples], color="tab:blue", label="RSS"
     )
-    for key, label in (
-        ("malloc_in_use_bytes", "C allocator in use"),
-        ("traced_bytes", "Python allocations (traced)"),
+    for key, label, color in (
+        ("malloc_in_use_bytes", "C allocator in use", "tab:green"),
+        ("traced_bytes", "Python allocations (traced)", "tab:orange"),
     ):
         if any(s.get(key) is not None for s in samples):
             rss_ax.plot(
                 minutes,
                 [None if s.get(key) is None else s[key] / 2**20 for s in samples],
+                color=color,
                 label=label,
             )
     rss_ax.set_ylabel("EPP memory (MiB)")
     rss_ax.set_title("Memory")
     rss_ax.legend()
-    index_ax.plot(minutes, [s["index_entries"] for s in samples], label="entries")
-    index_ax.plot(minutes, [s["index_max_entries"] for s in samples], linestyle="--", label="bound")
     index_ax.set_ylabel("index (block, pod) entries")
     index_ax.set_title("Prefix index size and its bound")
-    index_ax.legend()
+    if document["summary"]["index_within_bound"] is None:
+        index_ax.text(
+            0.5, 0.5, "no precise index in this config", ha="center", transform=index_ax.transAxes
+        )
+    else:
+        index_ax.plot(minutes, [s["index_entries"] for s in samples], label="entries")
+        index_ax.plot(
+            minutes, [s["index_max_entries"] for s in samples], linestyle="--", label="bound"
+        )
+        index_ax.legend()
     for key, label in (
         ("pick_p99_s", "pick (scheduler)"),
         ("processing_p99_s", "all the EPP adds"),
