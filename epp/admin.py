@@ -154,13 +154,11 @@ class AdminServer:
         holding the most traced memory (with `--trace-memory`)."""
         text = request.query.get("sites", "0")
         try:
+            # Listing the sites snapshots every live trace: off the event loop.
             sites = int(text)
-        except ValueError:
-            sites = -1
-        if not 0 <= sites <= MAX_SITES:
+            reading = await asyncio.to_thread(read_memory, sites) if sites else read_memory()
+        except ValueError:  # not a number, or out of read_memory's range
             return _error_response(
                 BadRequest(f"sites must be a whole number from 0 to {MAX_SITES}, got {text!r}")
             )
-        # Listing the sites snapshots every live trace: off the event loop.
-        reading = await asyncio.to_thread(read_memory, sites) if sites else read_memory()
         return _json_response(reading.to_json())

@@ -6,9 +6,7 @@ offload events and bad events do what they should and nothing else."""
 
 from __future__ import annotations
 
-import gc
 import random
-import tracemalloc
 from typing import Any
 
 import msgspec
@@ -23,6 +21,7 @@ from epp.kvindex.service import PrecisePrefixConfig, PrecisePrefixService, Promp
 from epp.tokenization.tokens import token_bytes
 from sim.hashing import BlockHasher, event_extra_keys, to_event_hash
 from sim.kv_events import BlockStored, EventBatchEncoder
+from tests.memory import traced_growth
 
 BS = 16
 TOKENS = list(range(5000, 5000 + 6 * BS))  # 6 blocks
@@ -466,17 +465,7 @@ def test_prompt_ends_past_the_bound_leave_no_memory_behind(
             svc.record_pick(svc.lookup(token_bytes(tokens), HashContext(), [a]), (a,))
 
     route(range(100))  # past the bound
-    gc.collect()
-    tracemalloc.start()
-    try:
-        route(range(100, 400))
-        gc.collect()
-        after_300 = tracemalloc.get_traced_memory()[0]
-        route(range(400, 2400))
-        gc.collect()
-        after_2300 = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
+    growth = traced_growth(lambda: route(range(100, 400)), lambda: route(range(400, 2400)))
     assert len(svc._end_anchors) <= 16
     assert len(svc._anchor_order) <= 16
-    assert after_2300 - after_300 < 32 * 1024, (after_300, after_2300)
+    assert growth < 32 * 1024
