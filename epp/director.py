@@ -140,7 +140,23 @@ class Director:
             event.set()
 
     def candidates(self, subset: Sequence[str] | None) -> tuple[Endpoint, ...]:
-        """Ready endpoints, restricted to Envoy's subset hint when it sent one."""
+        """Ready endpoints, restricted to Envoy's subset hint when it sent one, less
+        those whose server refused the latest metrics scrape (`unreachable`).
+
+        Nothing listens at an unreachable endpoint (killed, restarting, not started
+        yet), so a request sent there fails. Left to the scorers it would draw more
+        than its share: its requests fail at once, so it reads as the least loaded
+        pod. Every config gets this, with or without `stale-metrics-filter`, and
+        from the scrape that was refused (every `--refresh-metrics-interval`), not
+        after a staleness threshold. When every candidate is unreachable they all
+        stay: the scraping (a blocked or wrong metrics port) is then the likelier
+        fault, and refusing all traffic over it would make it an outage."""
+        return self._candidates(subset)[0]
+
+    def _candidates(
+        self, subset: Sequence[str] | None
+    ) -> tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]:
+        """`candidates`, and the ready endpoints it left out as unreachable."""
         endpoints = self.datastore.ready_endpoints()
         if subset is not None:
             if not subset:
@@ -154,7 +170,10 @@ class Director:
                 )
         elif not endpoints:
             raise Unavailable("no ready endpoint in the pool")
-        return endpoints
+        reachable = tuple(e for e in endpoints if not e.metrics.unreachable)
+        if not reachable or len(reachable) == len(endpoints):
+            return endpoints, ()
+        return reachable, tuple(e for e in endpoints if e.metrics.unreachable)
 
     @staticmethod
     def _priority(config: SchedulingConfig, request: InferenceRequest) -> int:
@@ -408,7 +427,7 @@ class Director:
     async def _explain(
         self, config: SchedulingConfig, request: InferenceRequest, subset: Sequence[str] | None
     ) -> dict[str, Any]:
-        candidates = self.candidates(subset)
+        candidates, unreachable = self._candidates(subset)
         cycle = CycleState()
         shed: str | None = None
         admission: dict[str, Any] = {}
@@ -437,6 +456,9 @@ class Director:
         primary = result.profiles[result.primary_profile]
         out = _explain_profile(primary)
         out["priority"] = cycle.get(PRIORITY)
+        # Ready, but left out before the profiles ran: their server refused the
+        # latest metrics scrape.
+        out["unreachable"] = [e.name for e in unreachable]
         out.update(admission)
         # What plugins said about their part (e.g. only the first blocks of a long
         # prompt were matched).

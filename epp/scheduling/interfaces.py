@@ -31,7 +31,8 @@ Rules every plugin follows:
   Metrics may be stale or incomplete (`EndpointMetrics.known`): score those
   endpoints neutrally rather than on numbers nobody vouches for.
 
-Order of a request: candidates (ready endpoints, Envoy's subset hint) -> admission
+Order of a request: candidates (ready endpoints, Envoy's subset hint, less those
+whose server refused the latest metrics scrape) -> admission
 (the saturation detector sheds a request whose objective has a negative priority
 while the pool is saturated; then `Admitter`s) -> data producers -> scheduling
 profiles (filters -> scorers -> picker) -> in-flight count and `PreRequest` ->

@@ -1,5 +1,6 @@
 """A simulated pod killed (SIGKILL) and started again mid-run, behind real Envoy and
-`epp serve` with precise prefix routing and the stale-metrics filter.
+`epp serve`: with precise prefix routing and the stale-metrics filter, and with
+the built-in default config, which has no filter.
 
 What must hold: the only requests that fail are those the EPP sent to the pod
 before it could know it was gone (in flight at the kill, or routed in the moment
@@ -16,7 +17,9 @@ from typing import Any
 
 import aiohttp
 
+from epp.config.defaults import DEFAULT_CONFIG
 from tests.integration.faults import (
+    MODEL,
     Load,
     debug_endpoints,
     eventually,
@@ -112,3 +115,53 @@ async def test_a_pod_killed_and_restarted_mid_run(tmp_path: Path) -> None:
     assert during
     assert all(o.pod != "sim-1" for o in during)
     assert len([o for o in outcomes if o.started >= restarted]) > 0
+
+
+async def test_no_config_sends_requests_to_a_killed_pod(tmp_path: Path) -> None:
+    # The built-in default has no stale-metrics filter, and a dead pod's requests
+    # fail at once, so by its own in-flight count it reads as the least loaded pod:
+    # left among the candidates it drew more than its share until it came back.
+    pods = sim_pods(tmp_path, 3)
+    with running(tmp_path, pods, config=DEFAULT_CONFIG, epp_args=EPP_ARGS) as stack:
+        async with aiohttp.ClientSession() as session:
+
+            async def entries() -> dict[str, dict[str, Any]]:
+                return await debug_endpoints(session, stack)
+
+            async def all_scraped() -> bool:
+                return all(not e["metrics"]["stale"] for e in (await entries()).values())
+
+            await eventually(all_scraped, "every pod scraped")
+            load = Load(stack.url).start()
+            await asyncio.sleep(1.5)
+            killed = time.monotonic()
+            pods.kill("sim-1")
+
+            async def sim1_gone() -> bool:
+                return bool((await entries())["sim-1"]["metrics"]["unreachable"])
+
+            await eventually(sim1_gone, "sim-1's scrape refused")
+            detected = time.monotonic()
+            async with session.post(
+                stack.admin_url() + "/debug/explain",
+                json={"path": "/v1/completions", "body": {"model": MODEL, "prompt": prompt(1, 0)}},
+            ) as response:
+                assert response.status == 200
+                explained = await response.json()
+            assert explained["unreachable"] == ["sim-1"]
+            assert "sim-1" not in [c["name"] for c in explained["candidates"]]
+            await asyncio.sleep(1.5)
+            restarted = time.monotonic()
+            pods.start("sim-1")
+
+            async def sim1_serves_again() -> bool:
+                return any(o.pod == "sim-1" and o.started >= restarted for o in load.outcomes)
+
+            await eventually(sim1_serves_again, "a request served by the restarted sim-1")
+            outcomes = await load.stop()
+
+    failed = [o for o in outcomes if not o.ok]
+    assert all(killed <= o.ended and o.started < detected for o in failed), failed
+    during = [o for o in outcomes if detected <= o.started and o.ended < restarted]
+    assert len(during) > 20
+    assert all(o.ok and o.pod != "sim-1" for o in during), during
