@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_duration,
         default=defaults.METRICS_STALENESS_THRESHOLD.text,
         metavar="DURATION",
-        help="metrics older than this are stale: plugins score the endpoint neutrally",
+        help="metrics older than this are stale: plugins score the endpoint neutrally;"
+        " a server that has answered no scrape for this long is down (no candidate)",
     )
     met.add_argument(
         "--metrics-scrape-timeout",

@@ -77,6 +77,9 @@ class EndpointMetrics:
     error: str | None = None
     # The latest scrape was refused (or had no route): stale now, whatever the age.
     unreachable: bool = False
+    # The latest scrape got no answer (it timed out, or the connection broke): a
+    # server that is hung, or too overloaded to answer, once it lasts (`down`).
+    unanswered: bool = False
     # The endpoint's `routed` count when the scrape that read these values was sent:
     # the requests routed there since are not in `waiting_requests` yet
     # (`Endpoint.unseen_routed`).
@@ -88,6 +91,16 @@ class EndpointMetrics:
         if self.updated_at == 0.0:
             return float("inf")
         return now - self.updated_at
+
+    def down(self, now: float) -> bool:
+        """Whether the server is taken as gone or hung: it refused the latest scrape
+        (`unreachable`), or has answered none for longer than the staleness
+        threshold (`unanswered`, the last good scrape older than `staleness_s`). A
+        server that answered, however badly (an HTTP error, a page that could not
+        be read), is up; so is one whose first scrape has not ended yet."""
+        if self.unreachable:
+            return True
+        return self.unanswered and now - self.updated_at > self.staleness_s
 
     def stale(self, now: float) -> bool:
         # `age` spelled out: a scorer asks this of every candidate in a pick.

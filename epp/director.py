@@ -141,22 +141,24 @@ class Director:
 
     def candidates(self, subset: Sequence[str] | None) -> tuple[Endpoint, ...]:
         """Ready endpoints, restricted to Envoy's subset hint when it sent one, less
-        those whose server refused the latest metrics scrape (`unreachable`).
+        those whose server is down by its metrics scrapes (`EndpointMetrics.down`):
+        it refused the latest (killed, restarting, not started yet), or has
+        answered none for longer than `--metrics-staleness-threshold` (hung).
 
-        Nothing listens at an unreachable endpoint (killed, restarting, not started
-        yet), so a request sent there fails. Left to the scorers it would draw more
-        than its share: its requests fail at once, so it reads as the least loaded
-        pod. Every config gets this, with or without `stale-metrics-filter`, and
-        from the scrape that was refused (every `--refresh-metrics-interval`), not
-        after a staleness threshold. When every candidate is unreachable they all
-        stay: the scraping (a blocked or wrong metrics port) is then the likelier
-        fault, and refusing all traffic over it would make it an outage."""
+        A request sent to such a server fails, or hangs. Left to the scorers it
+        would draw its share and more: a dead pod's requests fail at once, so it
+        reads as the least loaded, and a hung pod's prefix groups stay where their
+        cache is. Every config gets this, with or without `stale-metrics-filter`
+        (which also drops pods whose metrics are merely old). When every
+        candidate is down they all stay: the scraping (a blocked or wrong metrics
+        port) is then the likelier fault, and refusing all traffic over it would
+        make it an outage."""
         return self._candidates(subset)[0]
 
     def _candidates(
         self, subset: Sequence[str] | None
     ) -> tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]:
-        """`candidates`, and the ready endpoints it left out as unreachable."""
+        """`candidates`, and the ready endpoints it left out as down."""
         endpoints = self.datastore.ready_endpoints()
         if subset is not None:
             if not subset:
@@ -170,10 +172,11 @@ class Director:
                 )
         elif not endpoints:
             raise Unavailable("no ready endpoint in the pool")
-        reachable = tuple(e for e in endpoints if not e.metrics.unreachable)
-        if not reachable or len(reachable) == len(endpoints):
+        now = self.clock()
+        down = [e for e in endpoints if e.metrics.down(now)]
+        if not down or len(down) == len(endpoints):
             return endpoints, ()
-        return reachable, tuple(e for e in endpoints if e.metrics.unreachable)
+        return tuple(e for e in endpoints if e not in down), tuple(down)
 
     @staticmethod
     def _priority(config: SchedulingConfig, request: InferenceRequest) -> int:
@@ -281,13 +284,13 @@ class Director:
         subset: Sequence[str] | None,
         on_wait: Callable[[], object] | None,
     ) -> Decision:
-        candidates = self.candidates(subset)
+        candidates, down = self._candidates(subset)
         cycle = CycleState()
         cycle.put(UNEXPLAINED, True)  # only `explain`'s own picks keep notes
         controller = config.flow_control
         if controller is None:
             self._admit(config, request, cycle, candidates)
-            return await self._decide(config, request, cycle, candidates)
+            return await self._decide(config, request, cycle, candidates, down)
         priority = self._priority(config, request)
         cycle.put(PRIORITY, priority)
         # Waits while the pool is saturated; cancelled with the stream, the request
@@ -301,9 +304,9 @@ class Director:
         )
         try:
             # Late binding: the pool as it is now, not as it was when the request came.
-            candidates = self.candidates(subset)
+            candidates, down = self._candidates(subset)
             self._run_admitters(config, request, cycle, candidates)
-            return await self._decide(config, request, cycle, candidates)
+            return await self._decide(config, request, cycle, candidates, down)
         finally:
             controller.picked(item)
 
@@ -313,13 +316,13 @@ class Director:
         request: InferenceRequest,
         cycle: CycleState,
         candidates: Sequence[Endpoint],
+        down: Sequence[Endpoint],
     ) -> Decision:
         result = await self._schedule(config, request, cycle, candidates)
         targets = result.targets
         if not targets:
-            raise NoCapacity(
-                _no_capacity_message(len(candidates), result.profiles[result.primary_profile])
-            )
+            profile = result.profiles[result.primary_profile]
+            raise NoCapacity(_no_capacity_message(len(candidates), profile, down))
         # The rewrite may still fail (BadRequest): it runs before the pick has any
         # effect, so a request that is rejected never holds an in-flight slot.
         body = (
@@ -427,7 +430,7 @@ class Director:
     async def _explain(
         self, config: SchedulingConfig, request: InferenceRequest, subset: Sequence[str] | None
     ) -> dict[str, Any]:
-        candidates, unreachable = self._candidates(subset)
+        candidates, down = self._candidates(subset)
         cycle = CycleState()
         shed: str | None = None
         admission: dict[str, Any] = {}
@@ -456,9 +459,9 @@ class Director:
         primary = result.profiles[result.primary_profile]
         out = _explain_profile(primary)
         out["priority"] = cycle.get(PRIORITY)
-        # Ready, but left out before the profiles ran: their server refused the
-        # latest metrics scrape.
-        out["unreachable"] = [e.name for e in unreachable]
+        # Ready, but left out before the profiles ran: their server is down by its
+        # metrics scrapes (/debug/endpoints says why).
+        out["down"] = [e.name for e in down]
         out.update(admission)
         # What plugins said about their part (e.g. only the first blocks of a long
         # prompt were matched).
@@ -471,15 +474,23 @@ class Director:
             out["error"] = shed
             out["picked"] = []
         elif not primary.targets:
-            out["error"] = _no_capacity_message(len(candidates), primary)
+            out["error"] = _no_capacity_message(len(candidates), primary, down)
         return out
 
 
-def _no_capacity_message(candidates: int, result: ProfileResult) -> str:
+def _no_capacity_message(
+    candidates: int, result: ProfileResult, down: Sequence[Endpoint] = ()
+) -> str:
     if not result.filtered_out:
-        return f"the picker chose none of the {candidates} candidate endpoints"
-    removed = "; ".join(f"{name} removed {len(e)}" for name, e in result.filtered_out.items())
-    return f"all {candidates} candidate endpoints were filtered out ({removed})"
+        message = f"the picker chose none of the {candidates} candidate endpoints"
+    else:
+        removed = "; ".join(f"{name} removed {len(e)}" for name, e in result.filtered_out.items())
+        message = f"all {candidates} candidate endpoints were filtered out ({removed})"
+    if down:
+        # A filter that names its endpoints (a testing header) may have named these.
+        names = ", ".join(e.name for e in down)
+        message += f"; not candidates, as down by their metrics scrapes: {names}"
+    return message
 
 
 def _explain_profile(result: ProfileResult) -> dict[str, Any]:

@@ -3,8 +3,9 @@ metrics are stale (not scraped successfully within the staleness threshold), so 
 pod that stopped answering its /metrics (overloaded, hung, restarting) is not
 chosen on numbers from before; one whose server refuses connections (killed,
 restarting) is dropped at the next scrape, without waiting for the threshold.
-(The director leaves unreachable endpoints out of every config's candidates
-already, unless every one is; then this filter, with `failOpen: false`, refuses.)
+(The director leaves endpoints whose server is down, unreachable or silent past
+the threshold, out of every config's candidates already, unless every one is;
+then this filter, with `failOpen: false`, refuses.)
 
 Parameters:
 - `metricsStalenessThreshold` (duration, optional): the age past which metrics are

@@ -1,5 +1,6 @@
-"""The director's candidates: ready endpoints, less those whose server refused the
-latest metrics scrape, for every config; all of them when every one did."""
+"""The director's candidates: ready endpoints, less those whose server is down by
+its metrics scrapes (refused the latest, or answered none for longer than the
+staleness threshold), for every config; all of them when every one is down."""
 
 from __future__ import annotations
 
@@ -20,17 +21,33 @@ from epp.telemetry import Telemetry
 PODS = ("pod-0", "pod-1", "pod-2")
 
 
-def director(unreachable: Collection[str], stale: Collection[str] = ()) -> Director:
+def director(
+    unreachable: Collection[str] = (),
+    stale: Collection[str] = (),
+    unanswered: Collection[str] = (),
+    http_error: Collection[str] = (),
+) -> Director:
+    """Three pods scraped just now but for the `stale` ones (a minute ago, then
+    failing: no answer, or an HTTP error); the `unreachable` ones refused the last
+    scrape."""
     datastore = Datastore()
     datastore.replace_all(EndpointSpec(name, f"10.0.0.{i + 1}:8000") for i, name in enumerate(PODS))
     now = time.monotonic()
     for name in PODS:
+        error = None
+        if name in unreachable:
+            error = "ClientConnectorError: connection refused"
+        elif name in unanswered:
+            error = "no answer within 1s"
+        elif name in http_error:
+            error = "HTTP 500"
         datastore.set_metrics(
             name,
             EndpointMetrics(
                 updated_at=now - 60.0 if name in stale else now,
                 unreachable=name in unreachable,
-                error="connection refused" if name in unreachable else None,
+                unanswered=name in unanswered,
+                error=error,
             ),
         )
     config = load_config(DEFAULT_CONFIG, PluginRegistry.from_entry_points(), datastore=datastore)
@@ -60,16 +77,25 @@ def test_an_unreachable_endpoint_is_no_candidate_whatever_the_config() -> None:
     assert [e.name for e in d.candidates(None)] == ["pod-0", "pod-2"]
     assert set(picks(d, 30)) == {"pod-0", "pod-2"}
     explained = asyncio.run(d.explain(request(99)))
-    assert explained["unreachable"] == ["pod-1"]
+    assert explained["down"] == ["pod-1"]
     assert sorted(c["name"] for c in explained["candidates"]) == ["pod-0", "pod-2"]
 
 
-def test_stale_but_reachable_metrics_leave_an_endpoint_a_candidate() -> None:
-    # Old numbers are the stale-metrics filter's business, where a config has it:
-    # a slow /metrics is no proof that nothing listens.
-    d = director(unreachable=(), stale={"pod-1"})
-    assert [e.name for e in d.candidates(None)] == list(PODS)
-    assert asyncio.run(d.explain(request(0)))["unreachable"] == []
+def test_a_server_silent_past_the_staleness_threshold_is_no_candidate() -> None:
+    # Hung: its scrapes time out, and its last answer is older than the threshold.
+    d = director(stale={"pod-1"}, unanswered={"pod-1"})
+    assert set(picks(d, 30)) == {"pod-0", "pod-2"}
+    assert asyncio.run(d.explain(request(99)))["down"] == ["pod-1"]
+
+
+def test_a_silence_within_the_threshold_or_an_answer_leaves_an_endpoint_a_candidate() -> None:
+    # One scrape without an answer: an overloaded server is slow too.
+    assert [e.name for e in director(unanswered={"pod-1"}).candidates(None)] == list(PODS)
+    # Old numbers, or a server that answers badly, are the stale-metrics filter's
+    # business where a config has it: nothing says the server is gone.
+    for d in (director(stale={"pod-1"}), director(stale={"pod-1"}, http_error={"pod-1"})):
+        assert [e.name for e in d.candidates(None)] == list(PODS)
+        assert asyncio.run(d.explain(request(0)))["down"] == []
 
 
 def test_when_every_endpoint_is_unreachable_all_stay_candidates() -> None:
@@ -77,7 +103,7 @@ def test_when_every_endpoint_is_unreachable_all_stay_candidates() -> None:
     d = director(unreachable=set(PODS))
     assert [e.name for e in d.candidates(None)] == list(PODS)
     assert len(picks(d, 30)) >= 2
-    assert asyncio.run(d.explain(request(0)))["unreachable"] == []
+    assert asyncio.run(d.explain(request(0)))["down"] == []
 
 
 def test_within_a_subset_hint_the_same_rule_holds() -> None:

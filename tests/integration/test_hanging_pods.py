@@ -4,19 +4,23 @@ connections and never answers anything (a frozen process: the kernel still
 completes the handshakes). The EPP must never hang with them: it keeps routing
 other requests, marks the pod stale with the reason in /debug/endpoints, sends it
 nothing more, and releases what it counted in flight there once the clients give
-up. Both recover when the pod answers again."""
+up. Both recover when the pod answers again. The frozen pod again under the
+built-in default config, which has no filter: the director leaves it out."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from epp.config.defaults import DEFAULT_CONFIG
 from tests.integration.faults import (
+    MODEL,
     Load,
     Stack,
     debug_endpoints,
@@ -96,21 +100,19 @@ async def test_a_pod_that_accepts_connections_and_never_answers(stack: Stack) ->
             detected = time.monotonic()
             reason = str(entry["metrics"]["reason"])
             assert "no answer within 0.3s" in reason, reason
-            # A request that can only go there (the testing header names it; the
-            # stale filter keeps it rather than refuse everything) hangs at the pod,
-            # not in the EPP: other requests go on meanwhile.
-            forced = asyncio.create_task(
-                send(
-                    session,
-                    stack.url,
-                    prompt(50, 0),
-                    {"test-epp-endpoint-selection": frozen.address},
-                    timeout_s=CLIENT_TIMEOUT_S,
-                )
-            )
+            # A request that can only go there (the testing header names it) is
+            # refused at once once the pod is down, saying why, rather than hang.
+            await eventually(lambda: _down(session, stack, "sim-1"), "sim-1 taken as down")
+            async with session.post(
+                stack.url + "/v1/completions",
+                json={"model": MODEL, "prompt": prompt(50, 0), "max_tokens": 4},
+                headers={"test-epp-endpoint-selection": frozen.address},
+                timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S),
+            ) as response:
+                assert response.status == 429  # no capacity for it, as GIE answers
+                message = (await response.json())["error"]["message"]
+            assert "down by their metrics scrapes: sim-1" in message, message
             await asyncio.sleep(1.5)
-            with pytest.raises(TimeoutError):
-                await forced
             outcomes = await load.stop()
             # Every request the clients gave up on is no longer counted in flight.
             await eventually(
@@ -131,5 +133,39 @@ async def test_a_pod_that_accepts_connections_and_never_answers(stack: Stack) ->
     assert all(o.ok and o.pod != "sim-1" for o in later), later
 
 
+async def _down(session: aiohttp.ClientSession, stack: Stack, name: str) -> bool:
+    return bool((await _entries(session, stack))[name]["metrics"]["down"])
+
+
 async def _in_flight(session: aiohttp.ClientSession, stack: Stack, expected: int) -> bool:
     return sum(e["inFlight"] for e in (await _entries(session, stack)).values()) == expected
+
+
+async def test_no_config_sends_requests_to_a_hung_pod(tmp_path: Path) -> None:
+    # The built-in default has no stale-metrics filter, and a pod holding a prompt
+    # group is where that group's requests go: before the director left hung
+    # servers out, the frozen pod kept a third of the load, 75 requests hanging
+    # there after 6 s, while the model read its queue as drained.
+    pods = sim_pods(tmp_path, 3)
+    with running(tmp_path, pods, config=DEFAULT_CONFIG, epp_args=EPP_ARGS) as stack:
+        async with aiohttp.ClientSession() as session:
+            await eventually(lambda: _fresh(session, stack), "every pod scraped")
+            load = Load(stack.url, timeout_s=CLIENT_TIMEOUT_S).start()
+            await asyncio.sleep(1.0)
+            frozen_at = time.monotonic()
+            pods.freeze("sim-1")
+            try:
+                await eventually(lambda: _down(session, stack, "sim-1"), "sim-1 taken as down")
+                detected = time.monotonic()
+                await asyncio.sleep(2.0)
+                outcomes = await load.stop()
+            finally:
+                pods.thaw("sim-1")
+            await eventually(lambda: _fresh(session, stack), "sim-1 fresh again")
+            assert (await _entries(session, stack))["sim-1"]["metrics"]["down"] is False
+
+    hung = [o for o in outcomes if not o.ok]
+    assert all(o.started < detected and o.ended > frozen_at for o in hung), hung
+    later = [o for o in outcomes if o.started >= detected]
+    assert len(later) > 30
+    assert all(o.ok and o.pod != "sim-1" for o in later), later

@@ -148,7 +148,7 @@ async def test_no_config_sends_requests_to_a_killed_pod(tmp_path: Path) -> None:
             ) as response:
                 assert response.status == 200
                 explained = await response.json()
-            assert explained["unreachable"] == ["sim-1"]
+            assert explained["down"] == ["sim-1"]
             assert "sim-1" not in [c["name"] for c in explained["candidates"]]
             await asyncio.sleep(1.5)
             restarted = time.monotonic()

@@ -37,6 +37,9 @@ def describe_metrics(metrics: EndpointMetrics, now: float | None = None) -> dict
         "ageSeconds": None if math.isinf(age) else round(age, 3),
         "error": metrics.error,
         "unreachable": metrics.unreachable,
+        "unanswered": metrics.unanswered,
+        # Left out of every request's candidates (unless every endpoint is).
+        "down": metrics.down(now),
         "missing": dict(metrics.missing),
         "reason": reason,
         "lora": {

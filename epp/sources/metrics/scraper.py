@@ -402,6 +402,7 @@ class MetricsScraper:
                 error=message,
                 staleness_s=self.settings.staleness_s,
                 unreachable=unreachable,
+                unanswered=not unreachable and result in ("timeout", "connect_error"),
             ),
         )
         if not target.failing or message != target.last_error:

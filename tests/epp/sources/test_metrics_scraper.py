@@ -145,18 +145,26 @@ async def test_a_hung_metrics_endpoint_turns_stale_with_the_reason(
         metrics = run.endpoint("pod").metrics
         assert "no answer within 0.2s" in (metrics.error or "")
         assert metrics.waiting_requests == 1  # the last good values are kept...
+        assert metrics.unanswered
+        assert not metrics.unreachable
+        assert not metrics.down(time.monotonic())  # ...and one silence is not death
         await run.until(
             lambda: run.endpoint("pod").metrics.stale(time.monotonic())
-        )  # ...until too old
+        )  # ...until too old: then the server is taken as hung
         described = describe_metrics(run.endpoint("pod").metrics)
         assert described["stale"] is True
+        assert described["unanswered"] is True
+        assert described["down"] is True
         assert "stale: last good scrape" in str(described["reason"])
         assert "no answer within" in str(described["reason"])
         assert sample(registry, "epp_metrics_scrapes_total", {"result": "timeout"}) >= 1
         assert sample(registry, "epp_metrics_stale_endpoints") == 1
         servers[0].delay_s = 0.0
         await run.until(lambda: not run.endpoint("pod").metrics.stale(time.monotonic()))
-        assert run.endpoint("pod").metrics.error is None
+        metrics = run.endpoint("pod").metrics
+        assert metrics.error is None
+        assert not metrics.unanswered
+        assert not metrics.down(time.monotonic())
 
 
 @pytest.mark.parametrize(
@@ -179,6 +187,10 @@ async def test_bad_answers_are_errors_never_numbers(
         assert message in (run.endpoint("pod").metrics.error or "")
         await run.until(lambda: run.endpoint("pod").metrics.stale(time.monotonic()))
         assert sample(registry, "epp_metrics_scrapes_total", {"result": result}) >= 1
+        # Stale, but the server answered: it is up, whatever its page says.
+        metrics = run.endpoint("pod").metrics
+        assert not metrics.unanswered
+        assert not metrics.down(time.monotonic())
 
 
 async def test_nan_and_negative_values_leave_the_fact_unknown(
@@ -223,6 +235,7 @@ async def test_a_server_that_goes_away_is_stale_at_the_next_scrape() -> None:
         described = describe_metrics(metrics)
         assert str(described["reason"]).startswith("unreachable: ")
         assert described["unreachable"] is True
+        assert described["down"] is True
         assert sample(registry, "epp_metrics_stale_endpoints") == 1
         # The same server back on its port: fresh again at the next scrape.
         server = await MetricsServer(page=vllm_page(waiting=5)).start(port)
