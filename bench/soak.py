@@ -13,7 +13,9 @@ real Envoy in front. For `--minutes`:
   must stay within its bound, `--max-index-entries`);
 - churn: every `--churn-interval` seconds one pod, in turn, is killed (SIGKILL)
   and started again on its ports, an engine with an empty cache and its KV-event
-  seq back at 0;
+  seq back at 0; or with `--fault freeze`, frozen (SIGSTOP: the kernel still
+  accepts its connections, nothing answers) for `--freeze-seconds`, then thawed
+  (a hung engine that comes back);
 - every `--sample-interval` seconds a sample: the EPP process's RSS and what it
   is made of (its /debug/memory: the C allocator's bytes in use, Python's small
   blocks, and with `--trace-memory` the bytes Python allocations hold), its index
@@ -35,8 +37,9 @@ same slopes for the allocator's bytes, Python's blocks and the traced bytes tell
 a structure that grows from memory the allocator keeps), the
 index's largest size against its bound, p99 pick latency in the first and last
 quarter (the median of the intervals' p99s; their ratio is the drift), and
-errors, split into those around a pod kill (requests in flight to it, or routed
-before the EPP saw it go) and any others.
+errors, split into those around a pod kill or freeze (requests in flight to it,
+or routed before the EPP saw it go) and any others; with `--fault freeze`, the
+requests held over a second by the frozen pod (answered once it thawed).
 
 Writes results.json, report.md and soak.png to `--out`; a progress bar shows the
 time, request rate and errors while it runs.
@@ -81,8 +84,12 @@ from bench.stack import (
 from bench.stats import median, percentile
 from epp.memory import MAX_FRAMES, rss_bytes
 
-# Errors within this long after a pod kill are counted as the kill's.
+# Errors within this long after a pod kill (or a freeze's end) are counted as its.
 CHURN_WINDOW_S = 5.0
+# A request over this long that overlapped a freeze was held by the frozen pod (the
+# pods answer in milliseconds).
+HELD_S = 1.0
+FAULTS = ("kill", "freeze")
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,8 @@ class SoakOptions:
     skew: float = 1.0
     output_tokens: int = 8
     churn_interval_s: float = 60.0  # 0: no churn
+    fault: str = "kill"  # what churn does to a pod: FAULTS
+    freeze_s: float = 10.0  # with fault "freeze": how long a pod stays frozen
     sample_interval_s: float = 5.0
     # Below the fleet's KV capacity (4 pods x 4,000 blocks), so the bound, not only
     # the engines' own evictions, keeps the index in check.
@@ -107,6 +116,8 @@ class SoakOptions:
     trace_memory_frames: int = 0
     # The EPP's config file (None: `soak_config`, precise prefix routing).
     config: Path | None = None
+    # More `epp serve` arguments (e.g. ("--metrics-staleness-threshold", "1h")).
+    epp_args: tuple[str, ...] = ()
     request_timeout_s: float = 60.0
     seed: int = 0
     progress: bool = False
@@ -177,6 +188,7 @@ class Sample:
 class _State:
     samples: list[Sample] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)  # seconds since the load started
+    freezes: list[float] = field(default_factory=list)  # each freeze's start, the same
     restarts_ready: list[float] = field(default_factory=list)
     restart_failures: list[str] = field(default_factory=list)
     sample_failures: int = 0  # samples the EPP did not answer (it died, say)
@@ -276,12 +288,25 @@ async def _churn(
 ) -> None:
     names = list(pods.pods)
     turn = 0
+    # A freeze starts every churn interval: its own time is part of the interval.
+    pause_s = options.churn_interval_s - (options.freeze_s if options.fault == "freeze" else 0.0)
     while True:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), options.churn_interval_s)
+            await asyncio.wait_for(stop.wait(), pause_s)
             return
         name = names[turn % len(names)]
         turn += 1
+        if options.fault == "freeze":
+            state.freezes.append(time.monotonic() - started)
+            pods.freeze(name)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), options.freeze_s)
+            finally:
+                pods.thaw(name)
+            if stop.is_set():
+                return
+            continue
         state.kills.append(time.monotonic() - started)
         await asyncio.to_thread(pods.kill, name)
         try:
@@ -390,7 +415,7 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
             endpoints,
             out / "epp",
             config,
-            ["--debug-endpoints"]
+            ["--debug-endpoints", *options.epp_args]
             + (
                 ["--trace-memory", str(options.trace_memory_frames)]
                 if options.trace_memory_frames
@@ -427,8 +452,9 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
         },
         "wall_s": wall_s,
         "epp_alive_at_end": epp_alive,
-        "summary": summarize(state, outcomes),
+        "summary": summarize(state, outcomes, options.freeze_s),
         "kills_s": state.kills,
+        "freezes_s": state.freezes,
         "restarted_s": state.restarts_ready,
         "restart_failures": state.restart_failures,
         "sample_failures": state.sample_failures,
@@ -490,7 +516,7 @@ def growing_sites(readings: Sequence[dict[str, Any]], count: int = 10) -> list[d
     return [g for g in grown[:count] if g["growth_bytes"] > 0]
 
 
-def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+def summarize(state: _State, outcomes: Sequence[Outcome], freeze_s: float = 0.0) -> dict[str, Any]:
     samples = state.samples
     rss = [(s.t_s, s.rss_bytes / 2**20) for s in samples if s.rss_bytes is not None]
     malloc = [
@@ -507,7 +533,13 @@ def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         t = o.started - started
         return any(k - (o.latency_s + 1.0) <= t <= k + CHURN_WINDOW_S for k in state.kills)
 
-    around = [o for o in failed if at_kill(o)]
+    def in_freeze(o: Outcome, after_s: float) -> bool:
+        # In flight at some moment of a freeze, or sent up to `after_s` after it.
+        t = o.started - started
+        return any(f - o.latency_s <= t <= f + freeze_s + after_s for f in state.freezes)
+
+    around = [o for o in failed if at_kill(o) or in_freeze(o, CHURN_WINDOW_S)]
+    held = [o for o in outcomes if o.ok and o.latency_s > HELD_S and in_freeze(o, 0.0)]
     errors: dict[str, int] = {}
     for o in failed:
         errors[o.error or "error"] = errors.get(o.error or "error", 0) + 1
@@ -527,6 +559,8 @@ def summarize(state: _State, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "errors_other": len(failed) - len(around),
         "error_kinds": errors,
         "kills": len(state.kills),
+        "freezes": len(state.freezes),
+        "held_by_freezes": len(held),
         "rss_start_mb": rss[0][1] if rss else None,
         "rss_end_mb": rss[-1][1] if rss else None,
         "rss_max_mb": max((mb for _, mb in rss), default=None),
@@ -622,8 +656,20 @@ def plot(document: dict[str, Any], out: Path) -> str | None:
         ax.grid(True, alpha=0.3)
         for kill in document["kills_s"]:
             ax.axvline(kill / 60, color="tab:red", alpha=0.35, linewidth=0.8)
+        for freeze in document.get("freezes_s", ()):
+            ax.axvspan(
+                freeze / 60,
+                (freeze + document["options"]["freeze_s"]) / 60,
+                color="tab:blue",
+                alpha=0.15,
+            )
+    frozen = bool(document.get("freezes_s"))
     for ax in axes[1]:
-        ax.set_xlabel("minutes (red lines: a pod killed and restarted)")
+        ax.set_xlabel(
+            "minutes (blue: a pod frozen)"
+            if frozen
+            else "minutes (red lines: a pod killed and restarted)"
+        )
     fig.tight_layout()
     fig.savefig(out / "soak.png", dpi=110)
     plt.close(fig)
@@ -644,10 +690,17 @@ def _ms(value: float | None) -> str:
 
 def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
     o, s = document["options"], document["summary"]
+    if s.get("freezes"):
+        churn = (
+            f"a pod frozen for {o['freeze_s']:g} s every {o['churn_interval_s']:g} s"
+            f" ({s['freezes']} freezes)"
+        )
+    else:
+        churn = f"a pod restarted every {o['churn_interval_s']:g} s ({s['kills']} kills)"
+    extra = f", `epp serve {shlex.join(o['epp_args'])}`" if o.get("epp_args") else ""
     lines = [
-        f"Soak: {o['minutes']:g} min at {o['rate']:g} req/s, {o['pods']} pods, a pod restarted"
-        f" every {o['churn_interval_s']:g} s ({s['kills']} kills), {o['groups']} prefix groups,"
-        f" {document['machine']['cpus']} CPUs",
+        f"Soak: {o['minutes']:g} min at {o['rate']:g} req/s, {o['pods']} pods, {churn},"
+        f" {o['groups']} prefix groups, {document['machine']['cpus']} CPUs{extra}",
         "",
         "| what | start | end | |",
         "|---|---:|---:|---|",
@@ -687,7 +740,14 @@ def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
     lines += [
         "",
         f"Requests: {s['requests']}, ok {s['ok']}, errors {s['errors']} ({s['errors_around_kills']}"
-        f" around a pod kill, {s['errors_other']} other; {s['error_kinds'] or 'none'}). Client p99"
+        f" around a pod {'freeze' if s.get('freezes') else 'kill'}, {s['errors_other']} other;"
+        f" {s['error_kinds'] or 'none'})"
+        + (
+            f"; held over {HELD_S:g} s by a frozen pod: {s['held_by_freezes']}"
+            if s.get("freezes")
+            else ""
+        )
+        + ". Client p99"
         f" end to end {_fmt(s['latency_p99_s'], '.3f')} s. KV events: {s['kv_gaps']:g} gaps,"
         f" {s['kv_replays']:g} replays, {s['kv_engine_restarts_seen']:g} engine restarts seen."
         f" In flight at the end: {_fmt(s['in_flight_at_end'], 'g')}. EPP alive at the end:"
@@ -744,7 +804,20 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--question-len", type=int, default=32, help="tokens")
     parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of the groups")
     parser.add_argument(
-        "--churn-interval", type=float, default=60.0, help="seconds between pod restarts (0: none)"
+        "--churn-interval",
+        type=float,
+        default=60.0,
+        help="seconds between pod faults (0: none)",
+    )
+    parser.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default="kill",
+        help="what churn does to a pod: kill it (SIGKILL) and start it again, or freeze it"
+        " (SIGSTOP: connections accepted, nothing answered) for --freeze-seconds",
+    )
+    parser.add_argument(
+        "--freeze-seconds", type=float, default=10.0, help="how long a frozen pod stays frozen"
     )
     parser.add_argument("--sample-interval", type=float, default=5.0, help="seconds")
     parser.add_argument(
@@ -769,6 +842,14 @@ def add_parser(commands: Any) -> None:
         help="the EPP's config file (default: precise prefix routing with load scorers;"
         " manifests/config/default.yaml is what `epp serve` runs without one)",
     )
+    parser.add_argument(
+        "--epp-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `epp serve` argument (repeat it: --epp-arg=--metrics-staleness-threshold"
+        " --epp-arg=1h)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/soak"))
     parser.add_argument("--no-progress", action="store_true")
@@ -784,6 +865,13 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not 0 <= args.trace_memory <= MAX_FRAMES:
         print(f"error: --trace-memory must be from 0 (off) to {MAX_FRAMES}", file=sys.stderr)
         return 2
+    freezing = args.fault == "freeze" and args.churn_interval > 0
+    if freezing and not 0 < args.freeze_seconds < args.churn_interval:
+        print(
+            "error: --freeze-seconds must be positive and shorter than --churn-interval",
+            file=sys.stderr,
+        )
+        return 2
     if args.config is not None and not args.config.is_file():
         print(f"error: --config {args.config}: no such file", file=sys.stderr)
         return 2
@@ -797,12 +885,15 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         question_len=args.question_len,
         skew=args.skew,
         churn_interval_s=args.churn_interval,
+        fault=args.fault,
+        freeze_s=args.freeze_seconds,
         sample_interval_s=args.sample_interval,
         max_index_entries=args.max_index_entries,
         num_gpu_blocks=args.num_gpu_blocks,
         time_scale=args.time_scale,
         trace_memory_frames=args.trace_memory,
         config=args.config,
+        epp_args=tuple(args.epp_arg),
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
         command="python -m bench " + shlex.join(argv),

@@ -152,6 +152,9 @@ def test_the_prefix_space_is_skewed_and_reproducible() -> None:
 def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["soak", "--minutes", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
+    for freeze in ("0", "60"):
+        assert main(["soak", "--fault", "freeze", "--freeze-seconds", freeze]) == 2
+        assert "shorter than --churn-interval" in capsys.readouterr().err
     assert main(["soak", "--trace-memory", "101"]) == 2
     assert "--trace-memory must be from 0 (off) to 100" in capsys.readouterr().err
     out = tmp_path / "out"
@@ -182,3 +185,45 @@ def test_a_soak_of_the_default_config(tmp_path: Path) -> None:
     assert summary["errors"] == 0
     assert summary["index_within_bound"] is None  # no precise index in this config
     assert "| precise index | | | none in this config |" in report(document)
+
+
+def test_a_soak_that_freezes_pods(tmp_path: Path) -> None:
+    """`--fault freeze`: a pod frozen (SIGSTOP) for a while in every churn interval,
+    then thawed; `--epp-arg` reaches `epp serve` (a short staleness threshold, so the
+    director takes the frozen pod as down within the freeze)."""
+    default = Path(__file__).parents[2] / "manifests" / "config" / "default.yaml"
+    document = run_soak(
+        SoakOptions(
+            out_dir=tmp_path,
+            minutes=0.25,
+            pods=2,
+            rate=8.0,
+            groups=50,
+            churn_interval_s=6.0,
+            fault="freeze",
+            freeze_s=3.0,
+            sample_interval_s=2.0,
+            config=default,
+            epp_args=(
+                "--metrics-staleness-threshold",
+                "500ms",
+                "--metrics-scrape-timeout",
+                "200ms",
+            ),
+        )
+    )
+    summary = document["summary"]
+    assert summary["freezes"] >= 2
+    assert summary["kills"] == 0
+    assert summary["errors_other"] == 0, summary
+    assert document["epp_alive_at_end"]
+    assert summary["in_flight_at_end"] == 0
+    # Requests the frozen pod held (in flight when it froze, or routed in the moment
+    # before the EPP took it as down) were answered once it thawed, none lost.
+    assert summary["errors"] == 0, summary
+    assert summary["held_by_freezes"] >= 1
+    assert len(document["freezes_s"]) == summary["freezes"]
+    text = report(document)
+    assert f"a pod frozen for 3 s every 6 s ({summary['freezes']} freezes)" in text
+    assert "held over 1 s by a frozen pod" in text
+    assert "`epp serve --metrics-staleness-threshold 500ms" in text
