@@ -359,7 +359,10 @@ async def _run(
                     await _take_sample(session, admin, pid, load, started, previous, state)
                     next_sample += options.sample_interval_s
                 if options.trace_memory_frames and site_readings and now >= site_readings[0]:
-                    site_readings.pop(0)
+                    # Readings that came due meanwhile (a slow snapshot on a busy
+                    # host) are this one: they would only repeat it.
+                    while site_readings and now >= site_readings[0]:
+                        site_readings.pop(0)
                     await _read_sites(session, admin, started, state)
                 if bar is not None:
                     elapsed = min(round(now - started), round(duration_s))

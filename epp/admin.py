@@ -111,6 +111,9 @@ class AdminServer:
                 # Routed here since the scrape behind `metrics` was sent: what the
                 # utilization detector adds to its waiting count.
                 "routedSinceScrape": endpoint.unseen_routed,
+                # Requests waiting for their first token, and whether the engine has
+                # stalled (epp/stalls.py).
+                "progress": self.director.stalls.describe(endpoint, now),
             }
             # Facts the services and plugins of the running config add (index state).
             for describer in describers:

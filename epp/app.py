@@ -91,6 +91,8 @@ class ServeOptions:
     refresh_metrics_interval_s: float = defaults.REFRESH_METRICS_INTERVAL.seconds
     metrics_staleness_threshold_s: float = defaults.METRICS_STALENESS_THRESHOLD.seconds
     metrics_scrape_timeout_s: float = defaults.METRICS_SCRAPE_TIMEOUT.seconds
+    # A pod whose engine makes no progress this long is left out (epp/stalls.py; 0: off).
+    stall_threshold_s: float = defaults.STALL_THRESHOLD.seconds
     # --tokenizer-dir: (model, directory) pairs, in place of the config's tokenizers
     # for those models (ServerSettings.tokenizer_dirs).
     tokenizer_dirs: tuple[tuple[str, str], ...] = ()
@@ -145,7 +147,12 @@ class EppApp:
         self.source = source
         for warning in built.config.warnings:
             log.warning("config: %s", warning)
-        self.director = Director(self.datastore, built.config, self.telemetry)
+        self.director = Director(
+            self.datastore,
+            built.config,
+            self.telemetry,
+            stall_threshold_s=options.stall_threshold_s,
+        )
         self.runtime = ConfigRuntime(
             self.director,
             self.datastore,

@@ -353,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="a scrape with no complete answer by then has failed",
     )
+    met.add_argument(
+        "--stall-threshold",
+        type=_duration_or_zero,
+        default=defaults.STALL_THRESHOLD.text,
+        metavar="DURATION",
+        help="a pod where a request has waited this long for its first token, with no"
+        " first token or completed request there for as long, is stalled: no candidate"
+        " for a while (a hung engine behind a server that still answers; 0: never)",
+    )
     obs = serve.add_argument_group("observability")
     obs.add_argument(
         "--debug-endpoints",
@@ -472,6 +481,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         refresh_metrics_interval_s=args.refresh_metrics_interval,
         metrics_staleness_threshold_s=args.metrics_staleness_threshold,
         metrics_scrape_timeout_s=args.metrics_scrape_timeout,
+        stall_threshold_s=args.stall_threshold,
         tokenizer_dirs=tuple(args.tokenizer_dirs or ()),
         config_reload_interval_s=args.config_reload_interval,
         config_drain_timeout_s=args.config_drain_timeout,

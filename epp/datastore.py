@@ -128,11 +128,29 @@ class EndpointMetrics:
         return not age > self.staleness_s and self.missing.keys().isdisjoint(facts)
 
 
+@dataclass(slots=True)
+class EndpointProgress:
+    """What the director has seen of an engine's progress (epp/stalls.py decides
+    from it whether the engine has stalled). Written by the director only."""
+
+    # Requests routed here whose first response chunk is still to come, oldest
+    # first: the decision's number -> the clock at its pick. Only requests whose stream
+    # reports first chunks (not lean mode's).
+    awaiting: dict[int, float] = field(default_factory=dict)
+    # Since when nothing has progressed here: the latest first chunk from here, or
+    # request completed here, or the end of the latest exclusion (a trial starts).
+    quiet_since: float = 0.0
+    # Stalled: no candidate until then.
+    excluded_until: float = 0.0
+    # Stalls in a row, without progress between them (the exclusion doubles).
+    stalls: int = 0
+
+
 class Endpoint:
     """One model-server endpoint. Compared and hashed by identity: a scorer's result
     maps `Endpoint` objects to scores."""
 
-    __slots__ = ("in_flight", "metrics", "ready", "routed", "spec")
+    __slots__ = ("in_flight", "metrics", "progress", "ready", "routed", "spec")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.spec = spec
@@ -144,6 +162,7 @@ class Endpoint:
         # Requests the EPP ever sent here (never decreases): with
         # `metrics.routed_seen`, the ones its latest scrape cannot have counted.
         self.routed = 0
+        self.progress = EndpointProgress()
 
     @property
     def unseen_routed(self) -> int:

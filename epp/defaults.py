@@ -55,6 +55,10 @@ REFRESH_METRICS_INTERVAL: Final = DurationDefault("50ms")
 METRICS_STALENESS_THRESHOLD: Final = DurationDefault("2s")
 METRICS_SCRAPE_TIMEOUT: Final = DurationDefault("1s")
 
+# A pod whose oldest request has waited this long for its first token, with no
+# progress there for as long, is stalled (epp/stalls.py; 0: never).
+STALL_THRESHOLD: Final = DurationDefault("30s")
+
 # Kubernetes discovery: the namespace of the pool when $NAMESPACE is unset, and
 # the server-side watch timeout (each watch ends after a time in [T, 2T)).
 POOL_NAMESPACE: Final = "default"

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from epp import defaults
 from epp.clock import SYSTEM_CLOCK, Clock
 from epp.config import SchedulingConfig
 from epp.config.defaults import DEFAULT_PRIORITY
@@ -46,6 +47,7 @@ from epp.scheduling.types import (
     ResponseInfo,
     SchedulingResult,
 )
+from epp.stalls import StallWatch
 from epp.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ class Decision:
     # The first-chunk hooks are still to run (`Director.first_chunk` with `defer`).
     first_chunk_pending: bool = False
     finished: bool = False
+    # Its number among the director's decisions: its key in the stall watch's
+    # records of the endpoint (epp/stalls.py).
+    number: int = 0
 
     @property
     def endpoint(self) -> Endpoint:
@@ -90,11 +95,14 @@ class Director:
         config: SchedulingConfig,
         telemetry: Telemetry,
         clock: Clock = SYSTEM_CLOCK,
+        stall_threshold_s: float = defaults.STALL_THRESHOLD.seconds,
     ) -> None:
         """`clock` times requests (their pick, their duration); the pick's own CPU
-        cost is measured on `time.perf_counter` for the latency histograms."""
+        cost is measured on `time.perf_counter` for the latency histograms.
+        `stall_threshold_s`: epp/stalls.py (0: no endpoint is ever stalled)."""
         self.datastore = datastore
         self.clock = clock
+        self.stalls = StallWatch(stall_threshold_s, lambda _: telemetry.endpoint_stalls.inc())
         # Replaced as a whole on reload (`swap_config`); a request keeps the config
         # that picked it, to its end.
         self.config = config
@@ -104,6 +112,7 @@ class Director:
         # not hashable, and a config in use is alive, so its id is not reused.
         self._users: dict[int, int] = {}
         self._idle: dict[int, asyncio.Event] = {}
+        self._decisions = 0  # decisions made: the next one's `number`
 
     # -- configuration in use -------------------------------------------------------
 
@@ -143,22 +152,23 @@ class Director:
         """Ready endpoints, restricted to Envoy's subset hint when it sent one, less
         those whose server is down by its metrics scrapes (`EndpointMetrics.down`):
         it refused the latest (killed, restarting, not started yet), or has
-        answered none for longer than `--metrics-staleness-threshold` (hung).
+        answered none for longer than `--metrics-staleness-threshold` (hung); and
+        less those whose engine has stalled (epp/stalls.py: requests wait there for
+        their first token and nothing progresses, while the server answers).
 
-        A request sent to such a server fails, or hangs. Left to the scorers it
-        would draw its share and more: a dead pod's requests fail at once, so it
-        reads as the least loaded, and a hung pod's prefix groups stay where their
-        cache is. Every config gets this, with or without `stale-metrics-filter`
-        (which also drops pods whose metrics are merely old). When every
-        candidate is down they all stay: the scraping (a blocked or wrong metrics
-        port) is then the likelier fault, and refusing all traffic over it would
-        make it an outage."""
-        return self._candidates(subset)[0]
+        A request sent to such a pod fails, or hangs. Left to the scorers it would
+        draw its share and more: a dead pod's requests fail at once, so it reads
+        as the least loaded, and a hung pod keeps the prompt groups it holds.
+        Every config gets this, with or without `stale-metrics-filter` (which also
+        drops pods whose metrics are merely old). When every candidate is down
+        they all stay: the scraping (a blocked or wrong metrics port) is then the
+        likelier fault, and refusing all traffic over it would make it an outage;
+        likewise when every one left is stalled."""
+        return self._candidates(subset, record=False).endpoints
 
-    def _candidates(
-        self, subset: Sequence[str] | None
-    ) -> tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]:
-        """`candidates`, and the ready endpoints it left out as down."""
+    def _candidates(self, subset: Sequence[str] | None, record: bool) -> _Candidates:
+        """`candidates`, and the ready endpoints left out. `record`: a pick, which
+        may start a stall (explain's look changes nothing)."""
         endpoints = self.datastore.ready_endpoints()
         if subset is not None:
             if not subset:
@@ -173,10 +183,20 @@ class Director:
         elif not endpoints:
             raise Unavailable("no ready endpoint in the pool")
         now = self.clock()
-        down = [e for e in endpoints if e.metrics.down(now)]
-        if not down or len(down) == len(endpoints):
-            return endpoints, ()
-        return tuple(e for e in endpoints if e not in down), tuple(down)
+        down: tuple[Endpoint, ...] = ()
+        found = [e for e in endpoints if e.metrics.down(now)]
+        if found and len(found) < len(endpoints):
+            down = tuple(found)
+            endpoints = tuple(e for e in endpoints if e not in found)
+        watch = self.stalls
+        stalled: tuple[Endpoint, ...] = ()
+        found = [
+            e for e in endpoints if watch.maybe_stalled(e, now) and watch.check(e, now, record)
+        ]
+        if found and len(found) < len(endpoints):
+            stalled = tuple(found)
+            endpoints = tuple(e for e in endpoints if e not in found)
+        return _Candidates(endpoints, down, stalled)
 
     @staticmethod
     def _priority(config: SchedulingConfig, request: InferenceRequest) -> int:
@@ -261,17 +281,20 @@ class Director:
         subset: Sequence[str] | None = None,
         *,
         on_wait: Callable[[], object] | None = None,
+        reports_first_chunk: bool = True,
     ) -> Decision:
         """Choose where `request` goes and account for it as in flight there.
 
         Raises an `EppError` (503 nothing available, 429 everything filtered out).
         `on_wait`: called if the request is queued by flow control (the controller's
         `admit`), never otherwise; cancelling the caller then takes it out of the
-        queue."""
+        queue. `reports_first_chunk`: the caller will call `first_chunk` when the
+        response's first chunk comes (not in lean mode), so a request still
+        waiting for it tells the stall watch something (epp/stalls.py)."""
         config = self.config
         self._retain(config)
         try:
-            return await self._pick(config, request, subset, on_wait)
+            return await self._pick(config, request, subset, on_wait, reports_first_chunk)
         except BaseException:
             # Cancelled or refused before a decision: nothing will finish it.
             self._release(config)
@@ -283,14 +306,16 @@ class Director:
         request: InferenceRequest,
         subset: Sequence[str] | None,
         on_wait: Callable[[], object] | None,
+        reports_first_chunk: bool,
     ) -> Decision:
-        candidates, down = self._candidates(subset)
+        found = self._candidates(subset, record=True)
+        candidates = found.endpoints
         cycle = CycleState()
         cycle.put(UNEXPLAINED, True)  # only `explain`'s own picks keep notes
         controller = config.flow_control
         if controller is None:
             self._admit(config, request, cycle, candidates)
-            return await self._decide(config, request, cycle, candidates, down)
+            return await self._decide(config, request, cycle, found, reports_first_chunk)
         priority = self._priority(config, request)
         cycle.put(PRIORITY, priority)
         # Waits while the pool is saturated; cancelled with the stream, the request
@@ -304,9 +329,10 @@ class Director:
         )
         try:
             # Late binding: the pool as it is now, not as it was when the request came.
-            candidates, down = self._candidates(subset)
+            found = self._candidates(subset, record=True)
+            candidates = found.endpoints
             self._run_admitters(config, request, cycle, candidates)
-            return await self._decide(config, request, cycle, candidates, down)
+            return await self._decide(config, request, cycle, found, reports_first_chunk)
         finally:
             controller.picked(item)
 
@@ -315,14 +341,14 @@ class Director:
         config: SchedulingConfig,
         request: InferenceRequest,
         cycle: CycleState,
-        candidates: Sequence[Endpoint],
-        down: Sequence[Endpoint],
+        found: _Candidates,
+        reports_first_chunk: bool,
     ) -> Decision:
-        result = await self._schedule(config, request, cycle, candidates)
+        result = await self._schedule(config, request, cycle, found.endpoints)
         targets = result.targets
         if not targets:
             profile = result.profiles[result.primary_profile]
-            raise NoCapacity(_no_capacity_message(len(candidates), profile, down))
+            raise NoCapacity(_no_capacity_message(profile, found))
         # The rewrite may still fail (BadRequest): it runs before the pick has any
         # effect, so a request that is rejected never holds an in-flight slot.
         body = (
@@ -342,7 +368,7 @@ class Director:
             except Exception:
                 log.exception("pre-request plugin %s failed", slot.name)
             slot.observe(time.perf_counter() - t0)
-        return Decision(
+        decision = Decision(
             request=request,
             config=config,
             cycle=cycle,
@@ -350,7 +376,11 @@ class Director:
             destinations=",".join(e.address for e in targets),
             body=body,
             picked_at=self.clock(),
+            number=self._decisions,
         )
+        self._decisions += 1
+        self.stalls.routed(primary, decision.number, decision.picked_at, reports_first_chunk)
+        return decision
 
     def first_chunk(self, decision: Decision, defer: bool = False) -> None:
         """The first chunk of a routed request's successful response body arrived:
@@ -365,6 +395,7 @@ class Director:
             return
         decision.first_chunk_at = self.clock()
         decision.first_chunk_pending = True
+        self.stalls.first_chunk(decision.endpoint, decision.number, decision.first_chunk_at)
         if defer:
             asyncio.get_running_loop().call_soon(self._first_chunk_hooks, decision)
         else:
@@ -396,6 +427,7 @@ class Director:
         decision.finished = True
         primary = decision.endpoint
         self.datastore.release(primary)
+        self.stalls.ended(primary, decision.number, self.clock(), response.completed)
         (self.telemetry.completed if response.completed else self.telemetry.aborted).inc()
         usage = response.usage
         if usage is not None:
@@ -430,7 +462,8 @@ class Director:
     async def _explain(
         self, config: SchedulingConfig, request: InferenceRequest, subset: Sequence[str] | None
     ) -> dict[str, Any]:
-        candidates, down = self._candidates(subset)
+        found = self._candidates(subset, record=False)
+        candidates = found.endpoints
         cycle = CycleState()
         shed: str | None = None
         admission: dict[str, Any] = {}
@@ -460,8 +493,9 @@ class Director:
         out = _explain_profile(primary)
         out["priority"] = cycle.get(PRIORITY)
         # Ready, but left out before the profiles ran: their server is down by its
-        # metrics scrapes (/debug/endpoints says why).
-        out["down"] = [e.name for e in down]
+        # metrics scrapes, or their engine has stalled (/debug/endpoints says why).
+        out["down"] = [e.name for e in found.down]
+        out["stalled"] = [e.name for e in found.stalled]
         out.update(admission)
         # What plugins said about their part (e.g. only the first blocks of a long
         # prompt were matched).
@@ -474,22 +508,31 @@ class Director:
             out["error"] = shed
             out["picked"] = []
         elif not primary.targets:
-            out["error"] = _no_capacity_message(len(candidates), primary, down)
+            out["error"] = _no_capacity_message(primary, found)
         return out
 
 
-def _no_capacity_message(
-    candidates: int, result: ProfileResult, down: Sequence[Endpoint] = ()
-) -> str:
+@dataclass(frozen=True, slots=True)
+class _Candidates:
+    endpoints: tuple[Endpoint, ...]
+    down: tuple[Endpoint, ...]  # left out: down by their metrics scrapes
+    stalled: tuple[Endpoint, ...]  # left out: their engine has stalled (epp/stalls.py)
+
+
+def _no_capacity_message(result: ProfileResult, found: _Candidates) -> str:
+    candidates = len(found.endpoints)
     if not result.filtered_out:
         message = f"the picker chose none of the {candidates} candidate endpoints"
     else:
         removed = "; ".join(f"{name} removed {len(e)}" for name, e in result.filtered_out.items())
         message = f"all {candidates} candidate endpoints were filtered out ({removed})"
-    if down:
-        # A filter that names its endpoints (a testing header) may have named these.
-        names = ", ".join(e.name for e in down)
+    # A filter that names its endpoints (a testing header) may have named these.
+    if found.down:
+        names = ", ".join(e.name for e in found.down)
         message += f"; not candidates, as down by their metrics scrapes: {names}"
+    if found.stalled:
+        names = ", ".join(e.name for e in found.stalled)
+        message += f"; not candidates, as stalled (no first token for too long): {names}"
     return message
 
 

@@ -73,6 +73,13 @@ class Telemetry:
             ["result"],
             registry=r,
         )
+        self.endpoint_stalls = Counter(
+            "epp_endpoint_stalls",
+            "Stalls of an endpoint's engine (epp/stalls.py): requests waited there for"
+            " their first token past --stall-threshold with nothing progressing; each"
+            " left the endpoint out of the candidates for a while.",
+            registry=r,
+        )
         # The children every request touches, bound once.
         self.routed = self.requests.labels("routed")
         self.completed = self.responses.labels("completed")

@@ -812,6 +812,10 @@ class Engine(EngineCore):
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_step_wall: float | None = None
+        # Cleared while the engine is stalled (`stall`): no step runs, requests are
+        # still accepted and wait, and the server answers as before.
+        self._moving = asyncio.Event()
+        self._moving.set()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -825,6 +829,18 @@ class Engine(EngineCore):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    @property
+    def stalled(self) -> bool:
+        return not self._moving.is_set()
+
+    def stall(self, stalled: bool) -> None:
+        """Stop stepping (a hung engine behind a live API server), or go on."""
+        if stalled:
+            self._moving.clear()
+        else:
+            self._moving.set()
+            self._next_step_wall = None  # the time stalled is not caught up
 
     def restart(self) -> None:
         self._generation += 1
@@ -849,6 +865,7 @@ class Engine(EngineCore):
 
     async def _run(self) -> None:
         while True:
+            await self._moving.wait()
             if not self.waiting and not self.running:
                 ready = self.next_ready_at()
                 if ready is None or ready > self.now():

@@ -26,6 +26,10 @@ Fault knobs and introspection for tests (not in vLLM):
   batches are not sent on the PUB socket (a seq gap; still replayable unless
   `fromReplay`);
 - `POST /sim/metrics-delay` `{"seconds": s}`: `/metrics` answers s wall seconds late;
+- `POST /sim/stall` `{"stalled": true}`: the engine stops stepping while the server
+  answers everything (a hung engine behind a live API process): requests wait,
+  `/metrics` shows the gauges of the moment it stopped (vLLM's move with the stats
+  its engine sends at each step); `false` lets it go on;
 - `GET /sim/state`: the engine's true state as JSON (cached block hashes as uint64 =
   the digests' last 8 bytes, the default KV-event form, and their XOR; free/used
   blocks; KV-event seq; counters).
@@ -210,6 +214,8 @@ class SimPod:
         # Unique per process, as vLLM's engine ids are.
         self.engine.engine_id = f"{config.name}-{uuid.uuid4().hex[:12]}"
         self.metrics_delay_s = config.metrics_delay_s
+        # /metrics while the engine is stalled (/sim/stall): the gauges when it stopped.
+        self.stalled_gauges: Gauges | None = None
         # The sidecar: prefill legs sent, and the requests prefilled here instead, by
         # why (`sim.metrics.FALLBACK_REASONS`).
         self.prefill_legs_sent = 0
@@ -232,6 +238,7 @@ class SimPod:
         routes.add_post("/sim/restart", self.sim_restart)
         routes.add_post("/sim/drop-events", self.sim_drop_events)
         routes.add_post("/sim/metrics-delay", self.sim_metrics_delay)
+        routes.add_post("/sim/stall", self.sim_stall)
         routes.add_get("/sim/state", self.sim_state)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -315,19 +322,25 @@ class SimPod:
         if self.metrics_delay_s > 0:
             await asyncio.sleep(self.metrics_delay_s)
         engine = self.engine
-        gauges = Gauges(
+        # A stalled engine reports nothing new: vLLM's gauges move with the stats
+        # its engine sends at each step.
+        gauges = self.stalled_gauges if engine.stalled and self.stalled_gauges else self._gauges()
+        text = render(
+            self.config.model, engine.stats, gauges, self.config.role, dict(self.fallbacks)
+        )
+        return web.Response(
+            text=text, content_type="text/plain", charset="utf-8", headers=self._headers()
+        )
+
+    def _gauges(self) -> Gauges:
+        engine = self.engine
+        return Gauges(
             running=len(engine.running),
             waiting=engine.num_waiting,
             kv_cache_usage=engine.kv.pool.usage(),
             block_size=engine.config.block_size,
             num_gpu_blocks=engine.config.num_gpu_blocks,
             hash_algo=engine.config.hash_algo,
-        )
-        text = render(
-            self.config.model, engine.stats, gauges, self.config.role, dict(self.fallbacks)
-        )
-        return web.Response(
-            text=text, content_type="text/plain", charset="utf-8", headers=self._headers()
         )
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
@@ -451,6 +464,22 @@ class SimPod:
             return self._error(error)
         self.metrics_delay_s = float(seconds)
         return self._json_response({"metricsDelaySeconds": self.metrics_delay_s})
+
+    async def sim_stall(self, request: web.Request) -> web.Response:
+        """{"stalled": true}: the engine stops stepping while the server answers
+        everything else (/metrics, /health, new requests, which wait): a hung engine
+        behind a live API process. {"stalled": false}: it goes on."""
+        try:
+            body = await self._knob_body(request)
+            stalled = body.get("stalled")
+            if not isinstance(stalled, bool):
+                raise RequestError("'stalled' must be true or false")
+        except RequestError as error:
+            return self._error(error)
+        if stalled and not self.engine.stalled:
+            self.stalled_gauges = self._gauges()
+        self.engine.stall(stalled)
+        return self._json_response({"stalled": self.engine.stalled})
 
     def state(self) -> dict[str, Any]:
         engine, pool = self.engine, self.engine.kv.pool

@@ -34,6 +34,7 @@ ORDER = (
     "epp.promutil",
     "epp.requests",  # what a request is
     "epp.datastore",  # what an endpoint is, and the set of them
+    "epp.stalls",  # engines that stopped progressing, from what the EPP sees
     "epp.tokenization",  # prompts as the engines tokenize them
     "epp.kvindex",  # the precise prefix service: index, KV events, lookups
     "epp.approxindex",  # the approximate prefix index

@@ -303,7 +303,9 @@ class RequestStream:
             body=body,
             body_seen=body_seen,
         )
-        decision = await self.director.pick_endpoint(request, self.subset, on_wait=self.on_wait)
+        decision = await self.director.pick_endpoint(
+            request, self.subset, on_wait=self.on_wait, reports_first_chunk=not self.lean
+        )
         self.decision = decision
         self.phase = Phase.RESPONSE_HEADERS
         if self.lean:

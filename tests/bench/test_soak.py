@@ -53,7 +53,10 @@ def test_a_short_soak_with_churn(tmp_path: Path) -> None:
     if malloc_in_use() is not None:  # glibc: the EPP reads its allocator too
         assert all(0 < s["malloc_in_use_bytes"] < s["rss_bytes"] for s in samples)
     readings = document["site_readings"]
-    assert len(readings) == 8  # every eighth of the run, and its end
+    # Every eighth of the run, and its end; on a busy host a reading that comes due
+    # while a slow one runs is that one.
+    assert 4 <= len(readings) <= 8
+    assert readings[-1]["t_s"] >= 0.2 * 60
     assert [r["t_s"] for r in readings] == sorted(r["t_s"] for r in readings)
     assert all(r["sites"] and r["sites"][0]["bytes"] > 0 for r in readings)
     # The EPP's own code holds memory: its index, at least, is among the lines.

@@ -40,6 +40,17 @@ def test_an_inference_pool() -> None:
     assert parsed.config_drain_timeout_s == 120.0
 
 
+def test_the_stall_threshold_takes_zero_and_refuses_a_negative(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert options("--endpoints-file", "e.yaml").stall_threshold_s == 30.0
+    assert options("--endpoints-file", "e.yaml", "--stall-threshold", "0").stall_threshold_s == 0
+    assert options("--endpoints-file", "e.yaml", "--stall-threshold", "2m").stall_threshold_s == 120
+    with pytest.raises(SystemExit):
+        options("--endpoints-file", "e.yaml", "--stall-threshold=-1s")
+    assert "--stall-threshold: '-1s' is not a duration" in capsys.readouterr().err
+
+
 def test_standalone_selector_and_ports() -> None:
     kube = options(
         "--endpoint-selector", "app=vllm,tier=gpu", "--endpoint-target-ports", "8000,8001"

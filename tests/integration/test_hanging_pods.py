@@ -169,3 +169,58 @@ async def test_no_config_sends_requests_to_a_hung_pod(tmp_path: Path) -> None:
     later = [o for o in outcomes if o.started >= detected]
     assert len(later) > 30
     assert all(o.ok and o.pod != "sim-1" for o in later), later
+
+
+async def test_an_engine_that_stalls_behind_a_server_that_answers(tmp_path: Path) -> None:
+    # The engine stops stepping; /metrics keeps answering, so no scrape sees it. The
+    # EPP does: requests wait there for their first token and nothing progresses
+    # (--stall-threshold, 1 s here), so the pod is no candidate until it moves.
+    pods = sim_pods(tmp_path, 3)
+    args = ["--stall-threshold", "1s"]
+    with running(tmp_path, pods, config=DEFAULT_CONFIG, epp_args=args) as stack:
+        async with aiohttp.ClientSession() as session:
+            await eventually(lambda: _fresh(session, stack), "every pod scraped")
+            sim1 = f"http://{pods['sim-1'].address}"
+            load = Load(stack.url, timeout_s=10.0).start()
+            await asyncio.sleep(1.0)
+            async with session.post(sim1 + "/sim/stall", json={"stalled": True}) as response:
+                assert response.status == 200
+            stalled_at = time.monotonic()
+
+            async def sim1_stalled() -> bool:
+                entry = (await _entries(session, stack))["sim-1"]
+                return bool(entry["progress"]["stalled"]) and not entry["metrics"]["stale"]
+
+            await eventually(sim1_stalled, "sim-1 stalled, its scrapes fine")
+            detected = time.monotonic()
+            assert detected - stalled_at < 5.0
+            await asyncio.sleep(2.0)
+            resumed = time.monotonic()
+            async with session.post(sim1 + "/sim/stall", json={"stalled": False}) as response:
+                assert response.status == 200
+
+            async def sim1_serves_again() -> bool:
+                return any(o.pod == "sim-1" and o.started > resumed for o in load.outcomes)
+
+            await eventually(sim1_serves_again, "a request sent to sim-1 after it moved again")
+            outcomes = await load.stop()
+            entry = (await _entries(session, stack))["sim-1"]
+            assert entry["progress"]["stalled"] is False
+            assert entry["progress"]["stallsInARow"] == 0
+            async with session.get(stack.admin_url() + "/metrics") as response:
+                text = await response.text()
+            # One stall or more: each exclusion (1 s, then 2 s) ends in a trial.
+            (line,) = [x for x in text.splitlines() if x.startswith("epp_endpoint_stalls_total")]
+            assert float(line.split()[1]) >= 1
+
+    # Nothing failed: the requests that waited on the stalled engine were answered
+    # once it moved; none sent after the stall was seen went there.
+    assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok]
+    held = [o for o in outcomes if o.pod == "sim-1" and o.started < detected < o.ended]
+    assert held
+    assert all(o.started > stalled_at - 1.0 for o in held)
+    # The first exclusion lasts the threshold (1 s; then a trial, which may send it
+    # a request or two, and a longer one).
+    during = [o for o in outcomes if detected <= o.started < detected + 0.9]
+    assert len(during) > 15
+    assert all(o.pod != "sim-1" for o in during), during

@@ -381,6 +381,32 @@ async def test_slow_metrics(start_pod: StartPod, http: aiohttp.ClientSession) ->
             pass
 
 
+async def test_a_stalled_engine_behind_a_server_that_answers(
+    start_pod: StartPod, http: aiohttp.ClientSession
+) -> None:
+    pod = await start_pod(time_scale=0.05)
+    status, result, _ = await post(http, pod, "/sim/stall", {"stalled": True})
+    assert (status, result) == (200, {"stalled": True})
+    request = asyncio.ensure_future(
+        post(http, pod, "/v1/completions", {"prompt": list(range(40)), "max_tokens": 2})
+    )
+    await asyncio.sleep(0.5)
+    assert not request.done()  # it waits: no step runs
+    async with http.get(url(pod, "/metrics")) as response:
+        assert response.status == 200  # the server answers...
+        # ...with the gauges of the moment the engine stopped: nothing waiting then.
+        text = await response.text()
+        waiting = [line for line in text.splitlines() if line.startswith("vllm:num_requests_wait")]
+        assert len(waiting) == 1
+        assert waiting[0].endswith(" 0.0"), waiting
+    status, result, _ = await post(http, pod, "/sim/stall", {"stalled": False})
+    assert (status, result) == (200, {"stalled": False})
+    status, _, _ = await asyncio.wait_for(request, 5.0)
+    assert status == 200  # it goes on where it stopped
+    status, _, _ = await post(http, pod, "/sim/stall", {"stalled": "yes"})
+    assert status == 400
+
+
 async def test_client_disconnect_aborts_the_request(
     start_pod: StartPod, http: aiohttp.ClientSession
 ) -> None:
