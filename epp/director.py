@@ -183,19 +183,28 @@ class Director:
         elif not endpoints:
             raise Unavailable("no ready endpoint in the pool")
         now = self.clock()
+        # Every pick looks at every endpoint twice: the common case (scrapes
+        # answered, progress within the threshold) is one attribute test each.
         down: tuple[Endpoint, ...] = ()
-        found = [e for e in endpoints if e.metrics.down(now)]
+        found = [
+            e for e in endpoints if ((m := e.metrics).unreachable or m.unanswered) and m.down(now)
+        ]
         if found and len(found) < len(endpoints):
             down = tuple(found)
             endpoints = tuple(e for e in endpoints if e not in found)
         watch = self.stalls
         stalled: tuple[Endpoint, ...] = ()
-        found = [
-            e for e in endpoints if watch.maybe_stalled(e, now) and watch.check(e, now, record)
-        ]
-        if found and len(found) < len(endpoints):
-            stalled = tuple(found)
-            endpoints = tuple(e for e in endpoints if e not in found)
+        if watch.threshold_s > 0:
+            quiet_before = now - watch.threshold_s
+            found = [
+                e
+                for e in endpoints
+                if ((p := e.progress).quiet_since < quiet_before or now < p.excluded_until)
+                and watch.check(e, now, record)
+            ]
+            if found and len(found) < len(endpoints):
+                stalled = tuple(found)
+                endpoints = tuple(e for e in endpoints if e not in found)
         return _Candidates(endpoints, down, stalled)
 
     @staticmethod

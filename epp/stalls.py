@@ -20,7 +20,8 @@ completed request) ends it. A pod that is only slow is never stalled: its first
 chunks keep coming, however late.
 
 Contract: the director calls `routed`, `first_chunk` and `ended` for every
-request it routes, and asks `check` for each candidate at each pick; only a
+request it routes, and asks `check` at each pick of each candidate that could be
+stalled (excluded, or quiet for longer than the threshold); only a
 pick's `check` (with `record`) starts a stall, so /debug/explain changes
 nothing. All times are the director's clock. State lives on each endpoint
 (`Endpoint.progress`), so it goes when the endpoint does.
@@ -78,16 +79,12 @@ class StallWatch:
 
     # -- reads (a pick) --------------------------------------------------------------
 
-    def maybe_stalled(self, endpoint: Endpoint, now: float) -> bool:
-        """A cheap first look for a pick: False means `check` would say False."""
-        progress = endpoint.progress
-        return self.threshold_s > 0 and (
-            now < progress.excluded_until or now - progress.quiet_since > self.threshold_s
-        )
-
     def check(self, endpoint: Endpoint, now: float, record: bool) -> bool:
         """Whether `endpoint` is stalled now. With `record` (a pick), a stall that
-        the rule finds now starts: the endpoint is excluded from now on."""
+        the rule finds now starts: the endpoint is excluded from now on.
+
+        Never true of an endpoint that is not excluded and has progressed within
+        the threshold: a pick asks only the others (epp/director.py)."""
         progress = endpoint.progress
         threshold = self.threshold_s
         if threshold <= 0:
