@@ -15,7 +15,9 @@ real Envoy in front. For `--minutes`:
   and started again on its ports, an engine with an empty cache and its KV-event
   seq back at 0; or with `--fault freeze`, frozen (SIGSTOP: the kernel still
   accepts its connections, nothing answers) for `--freeze-seconds`, then thawed
-  (a hung engine that comes back);
+  (a hung server that comes back); or with `--fault stall`, its engine stopped
+  for `--stall-seconds` while its server answers everything, `/metrics` included
+  (the simulator's `/sim/stall`: a hung engine behind a live API process);
 - every `--sample-interval` seconds a sample: the EPP process's RSS and what it
   is made of (its /debug/memory: the C allocator's bytes in use, Python's small
   blocks, and with `--trace-memory` the bytes Python allocations hold), its index
@@ -39,7 +41,8 @@ index's largest size against its bound, p99 pick latency in the first and last
 quarter (the median of the intervals' p99s; their ratio is the drift), and
 errors, split into those around a pod kill or freeze (requests in flight to it,
 or routed before the EPP saw it go) and any others; with `--fault freeze`, the
-requests held over a second by the frozen pod (answered once it thawed).
+requests held over a second by the frozen or stalled pod (answered once it
+moved again).
 
 Writes results.json, report.md and soak.png to `--out`; a progress bar shows the
 time, request rate and errors while it runs.
@@ -74,6 +77,7 @@ from bench.longrun import (
 )
 from bench.provenance import provenance
 from bench.stack import (
+    Pod,
     Pods,
     ProcessFailed,
     envoy_config,
@@ -89,7 +93,7 @@ CHURN_WINDOW_S = 5.0
 # A request over this long that overlapped a freeze was held by the frozen pod (the
 # pods answer in milliseconds).
 HELD_S = 1.0
-FAULTS = ("kill", "freeze")
+FAULTS = ("kill", "freeze", "stall")
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class SoakOptions:
     churn_interval_s: float = 60.0  # 0: no churn
     fault: str = "kill"  # what churn does to a pod: FAULTS
     freeze_s: float = 10.0  # with fault "freeze": how long a pod stays frozen
+    stall_s: float = 45.0  # with fault "stall": how long a pod's engine stays stopped
     sample_interval_s: float = 5.0
     # Below the fleet's KV capacity (4 pods x 4,000 blocks), so the bound, not only
     # the engines' own evictions, keeps the index in check.
@@ -189,6 +194,7 @@ class _State:
     samples: list[Sample] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)  # seconds since the load started
     freezes: list[float] = field(default_factory=list)  # each freeze's start, the same
+    stalls: list[float] = field(default_factory=list)  # each engine stall's start, the same
     restarts_ready: list[float] = field(default_factory=list)
     restart_failures: list[str] = field(default_factory=list)
     sample_failures: int = 0  # samples the EPP did not answer (it died, say)
@@ -283,13 +289,30 @@ async def _take_sample(
         state.sample_failures += 1
 
 
+def _fault_s(options: SoakOptions) -> float:
+    """How long one fault lasts (a kill: no time of its own)."""
+    return {"freeze": options.freeze_s, "stall": options.stall_s}.get(options.fault, 0.0)
+
+
+async def _stall(pod: Pod, stalled: bool) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"http://{pod.address}/sim/stall",
+            json={"stalled": stalled},
+            timeout=aiohttp.ClientTimeout(total=10),
+        ) as response,
+    ):
+        response.raise_for_status()
+
+
 async def _churn(
     options: SoakOptions, pods: Pods, started: float, state: _State, stop: asyncio.Event
 ) -> None:
     names = list(pods.pods)
     turn = 0
-    # A freeze starts every churn interval: its own time is part of the interval.
-    pause_s = options.churn_interval_s - (options.freeze_s if options.fault == "freeze" else 0.0)
+    # A freeze or a stall starts every churn interval: its time is part of it.
+    pause_s = options.churn_interval_s - _fault_s(options)
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), pause_s)
@@ -304,6 +327,17 @@ async def _churn(
                     await asyncio.wait_for(stop.wait(), options.freeze_s)
             finally:
                 pods.thaw(name)
+            if stop.is_set():
+                return
+            continue
+        if options.fault == "stall":
+            state.stalls.append(time.monotonic() - started)
+            await _stall(pods[name], True)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), options.stall_s)
+            finally:
+                await _stall(pods[name], False)
             if stop.is_set():
                 return
             continue
@@ -455,9 +489,10 @@ async def run_soak_async(options: SoakOptions) -> dict[str, Any]:
         },
         "wall_s": wall_s,
         "epp_alive_at_end": epp_alive,
-        "summary": summarize(state, outcomes, options.freeze_s),
+        "summary": summarize(state, outcomes, options.freeze_s, options.stall_s),
         "kills_s": state.kills,
         "freezes_s": state.freezes,
+        "stalls_s": state.stalls,
         "restarted_s": state.restarts_ready,
         "restart_failures": state.restart_failures,
         "sample_failures": state.sample_failures,
@@ -519,7 +554,9 @@ def growing_sites(readings: Sequence[dict[str, Any]], count: int = 10) -> list[d
     return [g for g in grown[:count] if g["growth_bytes"] > 0]
 
 
-def summarize(state: _State, outcomes: Sequence[Outcome], freeze_s: float = 0.0) -> dict[str, Any]:
+def summarize(
+    state: _State, outcomes: Sequence[Outcome], freeze_s: float = 0.0, stall_s: float = 0.0
+) -> dict[str, Any]:
     samples = state.samples
     rss = [(s.t_s, s.rss_bytes / 2**20) for s in samples if s.rss_bytes is not None]
     malloc = [
@@ -536,13 +573,17 @@ def summarize(state: _State, outcomes: Sequence[Outcome], freeze_s: float = 0.0)
         t = o.started - started
         return any(k - (o.latency_s + 1.0) <= t <= k + CHURN_WINDOW_S for k in state.kills)
 
-    def in_freeze(o: Outcome, after_s: float) -> bool:
-        # In flight at some moment of a freeze, or sent up to `after_s` after it.
-        t = o.started - started
-        return any(f - o.latency_s <= t <= f + freeze_s + after_s for f in state.freezes)
+    windows = [(f, f + freeze_s) for f in state.freezes]
+    windows += [(f, f + stall_s) for f in state.stalls]
 
-    around = [o for o in failed if at_kill(o) or in_freeze(o, CHURN_WINDOW_S)]
-    held = [o for o in outcomes if o.ok and o.latency_s > HELD_S and in_freeze(o, 0.0)]
+    def in_fault(o: Outcome, after_s: float) -> bool:
+        # In flight at some moment of a freeze or stall, or sent up to `after_s`
+        # after it.
+        t = o.started - started
+        return any(f - o.latency_s <= t <= end + after_s for f, end in windows)
+
+    around = [o for o in failed if at_kill(o) or in_fault(o, CHURN_WINDOW_S)]
+    held = [o for o in outcomes if o.ok and o.latency_s > HELD_S and in_fault(o, 0.0)]
     errors: dict[str, int] = {}
     for o in failed:
         errors[o.error or "error"] = errors.get(o.error or "error", 0) + 1
@@ -563,6 +604,7 @@ def summarize(state: _State, outcomes: Sequence[Outcome], freeze_s: float = 0.0)
         "error_kinds": errors,
         "kills": len(state.kills),
         "freezes": len(state.freezes),
+        "stalls": len(state.stalls),
         "held_by_freezes": len(held),
         "rss_start_mb": rss[0][1] if rss else None,
         "rss_end_mb": rss[-1][1] if rss else None,
@@ -659,20 +701,18 @@ def plot(document: dict[str, Any], out: Path) -> str | None:
         ax.grid(True, alpha=0.3)
         for kill in document["kills_s"]:
             ax.axvline(kill / 60, color="tab:red", alpha=0.35, linewidth=0.8)
-        for freeze in document.get("freezes_s", ()):
-            ax.axvspan(
-                freeze / 60,
-                (freeze + document["options"]["freeze_s"]) / 60,
-                color="tab:blue",
-                alpha=0.15,
-            )
-    frozen = bool(document.get("freezes_s"))
+        for key, length in (("freezes_s", "freeze_s"), ("stalls_s", "stall_s")):
+            for start in document.get(key, ()):
+                end = start + document["options"][length]
+                ax.axvspan(start / 60, end / 60, color="tab:blue", alpha=0.15)
+    if document.get("freezes_s"):
+        label = "minutes (blue: a pod frozen)"
+    elif document.get("stalls_s"):
+        label = "minutes (blue: a pod's engine stalled)"
+    else:
+        label = "minutes (red lines: a pod killed and restarted)"
     for ax in axes[1]:
-        ax.set_xlabel(
-            "minutes (blue: a pod frozen)"
-            if frozen
-            else "minutes (red lines: a pod killed and restarted)"
-        )
+        ax.set_xlabel(label)
     fig.tight_layout()
     fig.savefig(out / "soak.png", dpi=110)
     plt.close(fig)
@@ -698,9 +738,15 @@ def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
             f"a pod frozen for {o['freeze_s']:g} s every {o['churn_interval_s']:g} s"
             f" ({s['freezes']} freezes)"
         )
+    elif s.get("stalls"):
+        churn = (
+            f"a pod's engine stalled for {o['stall_s']:g} s every {o['churn_interval_s']:g} s"
+            f" ({s['stalls']} stalls)"
+        )
     else:
         churn = f"a pod restarted every {o['churn_interval_s']:g} s ({s['kills']} kills)"
     extra = f", `epp serve {shlex.join(o['epp_args'])}`" if o.get("epp_args") else ""
+    fault = "freeze" if s.get("freezes") else "stall" if s.get("stalls") else "kill"
     lines = [
         f"Soak: {o['minutes']:g} min at {o['rate']:g} req/s, {o['pods']} pods, {churn},"
         f" {o['groups']} prefix groups, {document['machine']['cpus']} CPUs{extra}",
@@ -743,11 +789,12 @@ def report(document: dict[str, Any], plots: Sequence[str] = ()) -> str:
     lines += [
         "",
         f"Requests: {s['requests']}, ok {s['ok']}, errors {s['errors']} ({s['errors_around_kills']}"
-        f" around a pod {'freeze' if s.get('freezes') else 'kill'}, {s['errors_other']} other;"
+        f" around a pod {fault}, {s['errors_other']} other;"
         f" {s['error_kinds'] or 'none'})"
         + (
-            f"; held over {HELD_S:g} s by a frozen pod: {s['held_by_freezes']}"
-            if s.get("freezes")
+            f"; held over {HELD_S:g} s by a {'frozen' if fault == 'freeze' else 'stalled'} pod:"
+            f" {s['held_by_freezes']}"
+            if fault != "kill"
             else ""
         )
         + ". Client p99"
@@ -816,11 +863,18 @@ def add_parser(commands: Any) -> None:
         "--fault",
         choices=FAULTS,
         default="kill",
-        help="what churn does to a pod: kill it (SIGKILL) and start it again, or freeze it"
-        " (SIGSTOP: connections accepted, nothing answered) for --freeze-seconds",
+        help="what churn does to a pod: kill it (SIGKILL) and start it again, freeze it"
+        " (SIGSTOP: connections accepted, nothing answered) for --freeze-seconds, or stall"
+        " its engine (the server answers, /metrics included) for --stall-seconds",
     )
     parser.add_argument(
         "--freeze-seconds", type=float, default=10.0, help="how long a frozen pod stays frozen"
+    )
+    parser.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=45.0,
+        help="how long a stalled engine stays stopped (the EPP's --stall-threshold is 30s)",
     )
     parser.add_argument("--sample-interval", type=float, default=5.0, help="seconds")
     parser.add_argument(
@@ -868,13 +922,17 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not 0 <= args.trace_memory <= MAX_FRAMES:
         print(f"error: --trace-memory must be from 0 (off) to {MAX_FRAMES}", file=sys.stderr)
         return 2
-    freezing = args.fault == "freeze" and args.churn_interval > 0
-    if freezing and not 0 < args.freeze_seconds < args.churn_interval:
-        print(
-            "error: --freeze-seconds must be positive and shorter than --churn-interval",
-            file=sys.stderr,
-        )
-        return 2
+    for fault, seconds in (("freeze", args.freeze_seconds), ("stall", args.stall_seconds)):
+        if (
+            args.fault == fault
+            and args.churn_interval > 0
+            and not 0 < seconds < args.churn_interval
+        ):
+            print(
+                f"error: --{fault}-seconds must be positive and shorter than --churn-interval",
+                file=sys.stderr,
+            )
+            return 2
     if args.config is not None and not args.config.is_file():
         print(f"error: --config {args.config}: no such file", file=sys.stderr)
         return 2
@@ -890,6 +948,7 @@ def command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         churn_interval_s=args.churn_interval,
         fault=args.fault,
         freeze_s=args.freeze_seconds,
+        stall_s=args.stall_seconds,
         sample_interval_s=args.sample_interval,
         max_index_entries=args.max_index_entries,
         num_gpu_blocks=args.num_gpu_blocks,

@@ -155,9 +155,10 @@ def test_the_prefix_space_is_skewed_and_reproducible() -> None:
 def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["soak", "--minutes", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
-    for freeze in ("0", "60"):
-        assert main(["soak", "--fault", "freeze", "--freeze-seconds", freeze]) == 2
-        assert "shorter than --churn-interval" in capsys.readouterr().err
+    for fault in ("freeze", "stall"):
+        for seconds in ("0", "60"):
+            assert main(["soak", "--fault", fault, f"--{fault}-seconds", seconds]) == 2
+            assert f"--{fault}-seconds must be positive" in capsys.readouterr().err
     assert main(["soak", "--trace-memory", "101"]) == 2
     assert "--trace-memory must be from 0 (off) to 100" in capsys.readouterr().err
     out = tmp_path / "out"
@@ -230,3 +231,35 @@ def test_a_soak_that_freezes_pods(tmp_path: Path) -> None:
     assert f"a pod frozen for 3 s every 6 s ({summary['freezes']} freezes)" in text
     assert "held over 1 s by a frozen pod" in text
     assert "`epp serve --metrics-staleness-threshold 500ms" in text
+
+
+def test_a_soak_that_stalls_engines(tmp_path: Path) -> None:
+    """`--fault stall`: a pod's engine stopped (its server answering everything) for a
+    while in every churn interval; the EPP's stall watch, at 1 s here, leaves it out
+    until it moves."""
+    default = Path(__file__).parents[2] / "manifests" / "config" / "default.yaml"
+    document = run_soak(
+        SoakOptions(
+            out_dir=tmp_path,
+            minutes=0.25,
+            pods=2,
+            rate=8.0,
+            groups=50,
+            churn_interval_s=6.0,
+            fault="stall",
+            stall_s=3.0,
+            sample_interval_s=2.0,
+            config=default,
+            epp_args=("--stall-threshold", "1s"),
+        )
+    )
+    summary = document["summary"]
+    assert summary["stalls"] >= 2
+    assert summary["kills"] == summary["freezes"] == 0
+    assert summary["errors"] == 0, summary  # held requests are answered once it moves
+    assert summary["held_by_freezes"] >= 1
+    assert summary["in_flight_at_end"] == 0
+    assert len(document["stalls_s"]) == summary["stalls"]
+    text = report(document)
+    assert f"a pod's engine stalled for 3 s every 6 s ({summary['stalls']} stalls)" in text
+    assert "held over 1 s by a stalled pod" in text
