@@ -138,7 +138,7 @@ class EndpointProgress:
     # reports first chunks (not lean mode's).
     awaiting: dict[int, float] = field(default_factory=dict)
     # Since when nothing has progressed here: the latest first chunk from here, or
-    # request completed here, or the end of the latest exclusion (a trial starts).
+    # request completed here.
     quiet_since: float = 0.0
     # Stalled: no candidate until then.
     excluded_until: float = 0.0

@@ -13,11 +13,14 @@ is *stalled* when a request routed there has waited longer than the threshold
 (`--stall-threshold`, 30 s) for its first chunk and nothing has progressed there
 for as long: no first chunk came from it, no request there completed. A stalled
 endpoint is no candidate for the threshold, doubled at each stall in a row up to
-`MAX_BACKOFF` times it; then it is tried again, taking requests like any other,
-and is stalled again if none of them progresses within the threshold. Any
-progress (a first chunk, even of a request that waited through the stall, or a
-completed request) ends it. A pod that is only slow is never stalled: its first
-chunks keep coming, however late.
+`MAX_BACKOFF` times it. Any progress (a first chunk, even of a request that
+waited through the stall, or a completed request) ends it at once, so while
+requests still wait there nothing more is needed to see the engine move: at the
+exclusion's end such an endpoint stays stalled, for twice as long. Only once
+every request there has been given up on is it tried again, taking requests
+like any other, and stalled again if one of them waits the threshold with
+nothing progressing. A pod that is only slow is never stalled: its first chunks
+keep coming, however late.
 
 Contract: the director calls `routed`, `first_chunk` and `ended` for every
 request it routes, and asks `check` at each pick of each candidate that could be
@@ -37,8 +40,8 @@ from epp.datastore import Endpoint
 
 log = logging.getLogger(__name__)
 
-# The longest exclusion, in thresholds: a pod that stays stalled is tried again at
-# least this often.
+# The longest exclusion, in thresholds: a pod that stays stalled is looked at
+# again at least this often.
 MAX_BACKOFF: Final = 8
 
 
@@ -111,8 +114,6 @@ class StallWatch:
             )
             progress.stalls += 1
             progress.excluded_until = now + exclusion
-            # The trial after the exclusion counts its quiet from the exclusion's end.
-            progress.quiet_since = progress.excluded_until
             if self.on_stall is not None:
                 self.on_stall(endpoint)
         return True

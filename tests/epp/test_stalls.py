@@ -109,39 +109,52 @@ def test_a_pod_with_a_request_waiting_and_nothing_progressing_is_left_out() -> N
     assert picked == {"pod-0", "pod-2"}
 
 
-def test_a_stall_ends_with_progress_and_a_stuck_pod_is_tried_less_and_less_often() -> None:
+def test_a_stall_lasts_while_requests_wait_there_and_ends_with_progress() -> None:
     fleet = Fleet()
     fleet.advance(1.0)
     stuck = fleet.send("pod-1")
     fleet.advance(THRESHOLD_S + 1)
     assert fleet.stalled_by_a_pick() == ["pod-1"]
-    # Excluded for one threshold, then tried again: a candidate, and a new request
-    # there waits; with nothing progressing for a threshold more, stalled for two.
-    fleet.advance(THRESHOLD_S - 1)
-    assert "pod-1" not in fleet.candidates()
-    fleet.advance(2.0)
-    assert "pod-1" in fleet.candidates()
-    fleet.send("pod-1")
-    fleet.advance(THRESHOLD_S - 2)
-    assert fleet.stalled_by_a_pick() == []
-    fleet.advance(2.0)
-    assert fleet.stalled_by_a_pick() == ["pod-1"]
-    fleet.advance(2 * THRESHOLD_S - 1)
-    assert "pod-1" not in fleet.candidates()
     progress = fleet.datastore.get("pod-1").progress  # type: ignore[union-attr]
-    assert progress.stalls == 2
-    # The exclusion doubles up to its cap. Long after this one's end, with nothing
-    # progressing through a threshold of trial, the next pick stalls it again.
-    progress.stalls = 10
-    fleet.advance(THRESHOLD_S * MAX_BACKOFF)
+    # At the end of the exclusion the request still waits: had the engine moved, it
+    # would have had its first token; so stalled again, for twice as long.
+    fleet.advance(THRESHOLD_S + 1)
     assert fleet.stalled_by_a_pick() == ["pod-1"]
+    assert progress.stalls == 2
+    assert progress.excluded_until - fleet.clock() == 2 * THRESHOLD_S
+    # The exclusion doubles up to its cap.
+    for _ in range(4):
+        fleet.advance(progress.excluded_until - fleet.clock() + 1)
+        fleet.stalled_by_a_pick()
     assert progress.excluded_until - fleet.clock() == THRESHOLD_S * MAX_BACKOFF
-    # The first request's first token comes at last: the engine moves again, and
-    # the pod is a candidate at once.
+    # The request's first token comes at last: the engine moves again, and the pod
+    # is a candidate at once.
     fleet.director.first_chunk(stuck)
     assert fleet.candidates() == list(PODS)
     assert progress.stalls == 0
-    assert fleet.stalls() == 3
+    assert fleet.stalls() == 6
+
+
+def test_once_every_request_there_is_given_up_on_a_stalled_pod_is_tried_again() -> None:
+    fleet = Fleet()
+    fleet.advance(1.0)
+    stuck = fleet.send("pod-1")
+    fleet.advance(THRESHOLD_S + 1)
+    assert fleet.stalled_by_a_pick() == ["pod-1"]
+    fleet.director.finish(stuck, ResponseInfo(completed=False))  # its client gave up
+    fleet.advance(THRESHOLD_S - 2)
+    assert "pod-1" not in fleet.candidates()  # still excluded
+    fleet.advance(3.0)
+    assert "pod-1" in fleet.candidates()  # nothing waits there: a trial
+    fleet.send("pod-1")
+    fleet.advance(THRESHOLD_S - 1)
+    assert fleet.stalled_by_a_pick() == []
+    fleet.advance(2.0)
+    # The trial's request waited the threshold with nothing progressing.
+    assert fleet.stalled_by_a_pick() == ["pod-1"]
+    progress = fleet.datastore.get("pod-1").progress  # type: ignore[union-attr]
+    assert progress.stalls == 2
+    assert progress.excluded_until - fleet.clock() == 2 * THRESHOLD_S
 
 
 def test_a_slow_pod_whose_first_tokens_keep_coming_is_never_stalled() -> None:
