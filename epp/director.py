@@ -199,7 +199,10 @@ class Director:
             found = [
                 e
                 for e in endpoints
-                if ((p := e.progress).quiet_since < quiet_before or now < p.excluded_until)
+                if (
+                    ((p := e.progress).awaiting and p.quiet_since < quiet_before)
+                    or now < p.excluded_until
+                )
                 and watch.check(e, now, record)
             ]
             if found and len(found) < len(endpoints):

@@ -87,7 +87,8 @@ class StallWatch:
         the rule finds now starts: the endpoint is excluded from now on.
 
         Never true of an endpoint that is not excluded and has progressed within
-        the threshold: a pick asks only the others (epp/director.py)."""
+        the threshold or has no request waiting: a pick asks only the others
+        (epp/director.py)."""
         progress = endpoint.progress
         threshold = self.threshold_s
         if threshold <= 0:
