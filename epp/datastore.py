@@ -98,9 +98,7 @@ class EndpointMetrics:
         threshold (`unanswered`, the last good scrape older than `staleness_s`). A
         server that answered, however badly (an HTTP error, a page that could not
         be read), is up; so is one whose first scrape has not ended yet."""
-        if self.unreachable:
-            return True
-        return self.unanswered and now - self.updated_at > self.staleness_s
+        return (self.unreachable or self.unanswered) and self.stale(now)
 
     def stale(self, now: float) -> bool:
         # `age` spelled out: a scorer asks this of every candidate in a pick.

@@ -32,7 +32,7 @@ Rules every plugin follows:
   endpoints neutrally rather than on numbers nobody vouches for.
 
 Order of a request: candidates (ready endpoints, Envoy's subset hint, less those
-whose server is down by its metrics scrapes) -> admission
+whose server is down by its metrics scrapes or whose engine has stalled) -> admission
 (the saturation detector sheds a request whose objective has a negative priority
 while the pool is saturated; then `Admitter`s) -> data producers -> scheduling
 profiles (filters -> scorers -> picker) -> in-flight count and `PreRequest` ->
